@@ -1,0 +1,154 @@
+"""flash_moe: fused Mixture-of-Experts forward for Hopper (sm_90a).
+
+Reach it through the registry (``prime_kernels.load("flash_moe")``), which checks that the
+extension is built and the device is one it was built for. Ops live in
+``torch.ops.prime_moe``; this module wraps them, registers their fake implementations for
+torch.compile, and exports the shape rules the kernels have, read from the extension.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from . import _C as _constants
+
+    EXTENSION_BUILT = True
+except ImportError:  # not compiled into this install: the shape rules still answer
+    from . import _constants
+
+    EXTENSION_BUILT = False
+
+BLOCK_M: int = _constants.BLOCK_M
+MXFP8_SCALE_BLOCK: int = _constants.MXFP8_SCALE_BLOCK
+DIM_MULTIPLE: int = _constants.DIM_MULTIPLE
+HIDDEN_MULTIPLE: int = _constants.HIDDEN_MULTIPLE
+MAX_EXPERTS: int = _constants.MAX_EXPERTS
+
+__all__ = [
+    "BLOCK_M",
+    "MXFP8_SCALE_BLOCK",
+    "fused_moe_bf16",
+    "moe_align",
+    "moe_align_max_padded",
+    "unsupported_shape_reason",
+]
+
+
+def unsupported_shape_reason(
+    dim: int, hidden_dim: int, *, mxfp8: bool = False, split: bool = True
+) -> str | None:
+    """None when this install's kernels take a layer of model dim ``dim`` and expert
+    hidden dim ``hidden_dim``; otherwise one sentence naming the dimension, the multiple
+    required and why. Call it once per MoE layer at setup."""
+    if mxfp8:
+        return (
+            "flash_moe has no MXFP8 kernel for sm_90 in this install yet "
+            "(fused_moe_mxfp8 is not implemented); use the bf16 path"
+        )
+    if dim <= 0 or dim % DIM_MULTIPLE:
+        return (
+            f"dim={dim} must be a positive multiple of {DIM_MULTIPLE}: it is the gate/up "
+            f"GEMM's reduction dim, read in whole {DIM_MULTIPLE}-element TMA K steps"
+        )
+    if hidden_dim <= 0 or hidden_dim % HIDDEN_MULTIPLE:
+        return (
+            f"hidden_dim={hidden_dim} must be a positive multiple of {HIDDEN_MULTIPLE}: it is "
+            f"the down GEMM's reduction dim, read in whole {HIDDEN_MULTIPLE}-element TMA K steps"
+        )
+    return None
+
+
+def moe_align_max_padded(num_pairs: int, num_experts: int, pad: int) -> int:
+    """Length of moe_align's sorted_token_ids: every expert may waste pad - 1 rows."""
+    return -(-(num_pairs + num_experts * (pad - 1)) // pad) * pad
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorts the T*k (token, slot) pairs by expert, stable by flat pair index, each expert's
+    segment padded to a multiple of ``block_m * bpc``. Returns ``(sorted_token_ids,
+    expert_ids, num_tokens_post_padded)``: flat pair indices with -1 on padding, one expert
+    per block of ``block_m`` rows (-1 past the padded total), and the padded total (device
+    memory, never synchronized). Ids outside [0, num_experts) are dropped pairs."""
+    return torch.ops.prime_moe.moe_align(topk_ids, num_experts, block_m, bpc)
+
+
+def fused_moe_bf16(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w2: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor,
+    top_k: int,
+    block_m: int = BLOCK_M,
+    block_n: int | None = None,
+    warp_n: int | None = None,
+    stages: int | None = None,
+    bpc: int = 1,
+    cpc: int | None = None,
+    split: bool = True,
+) -> torch.Tensor:
+    """``out[t] = sum_j topk_weights[t, j] * (silu(x_t gate_e^T) * (x_t up_e^T)) w2_e^T``.
+
+    ``split=True`` writes every element of ``out`` (bitwise deterministic);
+    ``split=False`` adds into ``out``, which the caller must zero first. ``block_m`` and
+    ``bpc`` must be those given to :func:`moe_align`. ``block_n``, ``warp_n``, ``stages`` and
+    ``cpc`` are sm_90 tuning choices; None (or 0) takes the kernel's tuned choice for the
+    shape (``PRIME_MOE_PRINT_CONFIG=1`` prints it)."""
+    torch.ops.prime_moe.fused_moe_bf16(
+        x,
+        w,
+        w2,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        topk_weights,
+        out,
+        top_k,
+        block_m,
+        block_n or 0,
+        warp_n or 0,
+        stages or 0,
+        bpc,
+        cpc or 0,
+        split,
+    )
+    return out
+
+
+if EXTENSION_BUILT:
+
+    @torch.library.register_fake("prime_moe::moe_align")
+    def _moe_align_fake(topk_ids, num_experts, block_m=BLOCK_M, bpc=1):
+        max_padded = moe_align_max_padded(topk_ids.numel(), num_experts, block_m * bpc)
+        return (
+            topk_ids.new_empty((max_padded,)),
+            topk_ids.new_empty((max_padded // block_m,)),
+            topk_ids.new_empty((1,)),
+        )
+
+    @torch.library.register_fake("prime_moe::fused_moe_bf16")
+    def _fused_moe_bf16_fake(
+        x,
+        w,
+        w2,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        topk_weights,
+        out,
+        top_k,
+        block_m=BLOCK_M,
+        block_n=0,
+        warp_n=0,
+        stages=0,
+        bpc=1,
+        cpc=0,
+        split=True,
+    ):
+        return None

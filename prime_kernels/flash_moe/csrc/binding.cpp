@@ -1,0 +1,283 @@
+// flash_moe's torch binding: checks every input, names the argument that is wrong, then
+// calls the torch-free launchers. Bound with the LibTorch stable ABI (built with
+// TORCH_TARGET_VERSION = 2.10) and the Python limited API, so one build imports under every
+// torch >= 2.10 and every CPython >= 3.10.
+#include <Python.h>
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "flash_moe_constants.h"
+#include "fused_moe_bf16.h"
+#include "moe_align.h"
+
+namespace prime_moe {
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+template <typename... Parts>
+[[noreturn]] void fail(const char* op, const Parts&... parts) {
+  std::ostringstream message;
+  message << op << ": ";
+  (message << ... << parts);
+  throw std::invalid_argument(message.str());
+}
+
+std::string shape_of(const Tensor& t) {
+  std::ostringstream text;
+  text << "(";
+  for (int64_t d = 0; d < t.dim(); ++d) text << (d ? ", " : "") << t.size(d);
+  text << (t.dim() == 1 ? ",)" : ")");
+  return text.str();
+}
+
+// One tensor argument: dtype, device, contiguity and rank, checked in that order so the
+// message names the first thing wrong.
+void check_tensor(const char* op, const char* name, const Tensor& t, ScalarType dtype,
+                  int64_t rank) {
+  if (t.scalar_type() != dtype) {
+    fail(op, "argument '", name, "' must be a ", torch::headeronly::toString(dtype),
+         " tensor, got ", torch::headeronly::toString(t.scalar_type()));
+  }
+  if (!t.is_cuda()) fail(op, "argument '", name, "' must be on a CUDA device, got a CPU tensor");
+  if (!t.is_contiguous()) {
+    fail(op, "argument '", name, "' must be contiguous, got shape ", shape_of(t),
+         " with non-contiguous strides");
+  }
+  if (rank >= 0 && t.dim() != rank) {
+    fail(op, "argument '", name, "' must be ", rank, "-D, got shape ", shape_of(t));
+  }
+}
+
+void check_same_device(const char* op, const Tensor& first, const char* first_name,
+                       const Tensor& t, const char* name) {
+  if (t.get_device_index() != first.get_device_index()) {
+    fail(op, "argument '", name, "' is on cuda:", static_cast<int>(t.get_device_index()),
+         " but '", first_name, "' is on cuda:", static_cast<int>(first.get_device_index()),
+         "; all tensors must be on one CUDA device");
+  }
+}
+
+void check_shape(const char* op, const char* name, const Tensor& t,
+                 const std::vector<int64_t>& expected, const char* meaning) {
+  bool same = t.dim() == static_cast<int64_t>(expected.size());
+  for (int64_t d = 0; same && d < t.dim(); ++d) same = t.size(d) == expected[d];
+  if (!same) {
+    std::ostringstream want;
+    want << "(";
+    for (size_t d = 0; d < expected.size(); ++d) want << (d ? ", " : "") << expected[d];
+    want << (expected.size() == 1 ? ",)" : ")");
+    fail(op, "argument '", name, "' must have shape ", want.str(), " ", meaning, ", got ",
+         shape_of(t));
+  }
+}
+
+cudaStream_t current_stream(int32_t device_index) {
+  void* stream = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device_index, &stream));
+  return static_cast<cudaStream_t>(stream);
+}
+
+void check_cuda(const char* op, cudaError_t status) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string(op) + ": CUDA error: " + cudaGetErrorString(status));
+  }
+}
+
+void check_block_m_bpc(const char* op, int64_t block_m, int64_t bpc) {
+  if (block_m <= 0 || block_m % 16 != 0 || block_m > 1024) {
+    fail(op, "block_m=", block_m, " must be a positive multiple of 16 up to 1024");
+  }
+  if (bpc <= 0 || block_m * bpc > (1 << 16)) {
+    fail(op, "bpc=", bpc, " must be positive with block_m * bpc <= 65536");
+  }
+}
+
+std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_experts,
+                                             int64_t block_m, int64_t bpc) {
+  constexpr const char* op = "moe_align";
+  check_tensor(op, "topk_ids", topk_ids, ScalarType::Int, -1);
+  if (topk_ids.dim() != 2) {
+    fail(op, "argument 'topk_ids' must be 2-D (T, top_k), got shape ", shape_of(topk_ids));
+  }
+  if (num_experts < 1 || num_experts > kMaxExperts) {
+    fail(op, "num_experts=", num_experts, " must be in [1, ", kMaxExperts, "]");
+  }
+  check_block_m_bpc(op, block_m, bpc);
+  const int64_t num_pairs = topk_ids.numel();
+  if (num_pairs >= (int64_t{1} << 31)) {
+    fail(op, "topk_ids has ", num_pairs, " elements; at most 2^31 - 1 pairs are supported");
+  }
+  const int64_t pad = block_m * bpc;
+  const int64_t max_padded = moe_align_max_padded(num_pairs, num_experts, pad);
+
+  const int32_t device = topk_ids.get_device_index();
+  torch::stable::accelerator::DeviceGuard guard(device);
+  Tensor sorted_token_ids = torch::stable::new_empty(topk_ids, {max_padded});
+  Tensor expert_ids = torch::stable::new_empty(topk_ids, {max_padded / block_m});
+  Tensor num_tokens_post_padded = torch::stable::new_empty(topk_ids, {1});
+  const int64_t workspace_elems = moe_align_num_chunks(num_pairs) * num_experts;
+  Tensor workspace = torch::stable::new_empty(topk_ids, {workspace_elems > 0 ? workspace_elems : 1});
+  check_cuda(op, launch_moe_align(
+                     topk_ids.const_data_ptr<int32_t>(), num_pairs, static_cast<int>(num_experts),
+                     static_cast<int>(block_m), static_cast<int>(bpc),
+                     sorted_token_ids.mutable_data_ptr<int32_t>(),
+                     expert_ids.mutable_data_ptr<int32_t>(),
+                     num_tokens_post_padded.mutable_data_ptr<int32_t>(), max_padded,
+                     workspace.mutable_data_ptr<int32_t>(), current_stream(device)));
+  return {sorted_token_ids, expert_ids, num_tokens_post_padded};
+}
+
+void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids,
+                    Tensor num_tokens_post_padded, Tensor topk_weights, Tensor out,
+                    int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n,
+                    int64_t stages, int64_t bpc, int64_t cpc, bool split) {
+  constexpr const char* op = "fused_moe_bf16";
+  check_tensor(op, "x", x, ScalarType::BFloat16, 2);
+  check_tensor(op, "w", w, ScalarType::BFloat16, 3);
+  check_tensor(op, "w2", w2, ScalarType::BFloat16, 3);
+  check_tensor(op, "sorted_token_ids", sorted_token_ids, ScalarType::Int, 1);
+  check_tensor(op, "expert_ids", expert_ids, ScalarType::Int, 1);
+  check_tensor(op, "num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, -1);
+  check_tensor(op, "topk_weights", topk_weights, ScalarType::Float, -1);
+  check_tensor(op, "out", out, ScalarType::BFloat16, 2);
+  check_same_device(op, x, "x", w, "w");
+  check_same_device(op, x, "x", w2, "w2");
+  check_same_device(op, x, "x", sorted_token_ids, "sorted_token_ids");
+  check_same_device(op, x, "x", expert_ids, "expert_ids");
+  check_same_device(op, x, "x", num_tokens_post_padded, "num_tokens_post_padded");
+  check_same_device(op, x, "x", topk_weights, "topk_weights");
+  check_same_device(op, x, "x", out, "out");
+
+  const int64_t T = x.size(0), D = x.size(1);
+  const int64_t E = w.size(0), H = w.size(1) / 2;
+  if (top_k < 1) fail(op, "top_k=", top_k, " must be at least 1");
+  if (w.size(1) % 2 != 0 || w.size(2) != D) {
+    fail(op, "argument 'w' must have shape (E, 2 * hidden_dim, dim) = (E, 2H, ", D,
+         ") with gate rows [0, H) and up rows [H, 2H), got ", shape_of(w));
+  }
+  check_shape(op, "w2", w2, {E, D, H}, "(E, dim, hidden_dim)");
+  check_shape(op, "out", out, {T, D}, "(T, dim), like x");
+  if (topk_weights.numel() != T * top_k) {
+    fail(op, "argument 'topk_weights' must hold T * top_k = ", T * top_k,
+         " weights (read flat at t * top_k + j), got shape ", shape_of(topk_weights));
+  }
+  if (num_tokens_post_padded.numel() != 1) {
+    fail(op, "argument 'num_tokens_post_padded' must hold one element, got shape ",
+         shape_of(num_tokens_post_padded));
+  }
+  if (D % kDimMultiple != 0) {
+    fail(op, "dim=", D, " (x.size(1)) must be a multiple of ", kDimMultiple,
+         " (one 64-element K step of the gate/up GEMM)");
+  }
+  if (H % kHiddenMultiple != 0) {
+    fail(op, "hidden_dim=", H, " (w.size(1) / 2) must be a multiple of ", kHiddenMultiple,
+         " (one 64-element K step of the down GEMM)");
+  }
+  check_block_m_bpc(op, block_m, bpc);
+  const int64_t max_padded = sorted_token_ids.size(0);
+  if (max_padded % (block_m * bpc) != 0) {
+    fail(op, "argument 'sorted_token_ids' has length ", max_padded,
+         ", which is not a multiple of block_m * bpc = ", block_m * bpc,
+         "; pass moe_align's output for the same block_m and bpc");
+  }
+  if (expert_ids.size(0) != max_padded / block_m) {
+    fail(op, "argument 'expert_ids' must have length len(sorted_token_ids) / block_m = ",
+         max_padded / block_m, ", got ", expert_ids.size(0),
+         "; pass moe_align's output for the same block_m");
+  }
+
+  FusedMoeBf16Problem problem{};
+  problem.x = static_cast<const __nv_bfloat16*>(x.const_data_ptr());
+  problem.w = static_cast<const __nv_bfloat16*>(w.const_data_ptr());
+  problem.w2 = static_cast<const __nv_bfloat16*>(w2.const_data_ptr());
+  problem.sorted_token_ids = sorted_token_ids.const_data_ptr<int32_t>();
+  problem.expert_ids = expert_ids.const_data_ptr<int32_t>();
+  problem.num_tokens_post_padded = num_tokens_post_padded.const_data_ptr<int32_t>();
+  problem.topk_weights = topk_weights.const_data_ptr<float>();
+  problem.out = static_cast<__nv_bfloat16*>(out.mutable_data_ptr());
+  problem.num_tokens = T;
+  problem.dim = D;
+  problem.hidden_dim = H;
+  problem.num_experts = E;
+  problem.top_k = top_k;
+  problem.max_padded = max_padded;
+  problem.block_m = block_m;
+
+  FusedMoeBf16Config requested;
+  requested.block_n = static_cast<int>(block_n);
+  requested.warp_n = static_cast<int>(warp_n);
+  requested.stages = static_cast<int>(stages);
+  requested.bpc = static_cast<int>(bpc);
+  requested.cpc = static_cast<int>(cpc);
+  requested.split = split;
+  const FusedMoeBf16Config config = resolve_fused_moe_bf16_config(problem, requested);
+  const std::string problem_error = check_fused_moe_bf16(problem, config);
+  if (!problem_error.empty()) fail(op, problem_error);
+  if (const char* print = std::getenv("PRIME_MOE_PRINT_CONFIG"); print && print[0] == '1') {
+    std::fprintf(stderr, "%s: %s\n", op, describe_fused_moe_bf16_config(problem, config).c_str());
+  }
+  if (T == 0) return;
+
+  const int32_t device = x.get_device_index();
+  torch::stable::accelerator::DeviceGuard guard(device);
+  const int64_t workspace_bytes =
+      static_cast<int64_t>(fused_moe_bf16_workspace_bytes(problem, config));
+  Tensor workspace = torch::stable::new_empty(
+      x, {workspace_bytes > 0 ? workspace_bytes : 1}, ScalarType::Byte);
+  check_cuda(op, launch_fused_moe_bf16(problem, config, workspace.mutable_data_ptr(),
+                                       current_stream(device)));
+}
+
+}  // namespace
+}  // namespace prime_moe
+
+STABLE_TORCH_LIBRARY(prime_moe, m) {
+  m.def(
+      "moe_align(Tensor topk_ids, int num_experts, int block_m=128, int bpc=1) -> "
+      "(Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded)");
+  m.def(
+      "fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, "
+      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
+      "Tensor(a!) out, int top_k, int block_m=128, int block_n=0, int warp_n=0, "
+      "int stages=0, int bpc=1, int cpc=0, bool split=True) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {
+  m.impl("moe_align", TORCH_BOX(&prime_moe::moe_align));
+  m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
+}
+
+// The extension module itself only carries the constants; the ops live in torch.ops.
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
+                                   "flash_moe's compiled ops (torch.ops.prime_moe) and constants",
+                                   -1, nullptr};
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  const std::pair<const char*, long> constants[] = {
+      {"BLOCK_M", prime_moe::kBlockM},
+      {"MXFP8_SCALE_BLOCK", prime_moe::kMxfp8ScaleBlock},
+      {"DIM_MULTIPLE", prime_moe::kDimMultiple},
+      {"HIDDEN_MULTIPLE", prime_moe::kHiddenMultiple},
+      {"MAX_EXPERTS", prime_moe::kMaxExperts},
+  };
+  for (const auto& [name, value] : constants) {
+    if (PyModule_AddIntConstant(module, name, value) != 0) {
+      Py_DECREF(module);
+      return nullptr;
+    }
+  }
+  return module;
+}

@@ -1,0 +1,147 @@
+// moe_align in three passes, deterministic (no order-dependent atomics reach the output):
+//   1. per chunk of kMoeAlignChunk pairs, a histogram of experts (shared-memory atomics on
+//      integer counts: any order gives the same counts);
+//   2. one block turns the (chunk, expert) counts into padded expert offsets and, per chunk,
+//      the first row that chunk's pairs of each expert go to; it also writes expert_ids and
+//      the padded total;
+//   3. one warp per chunk walks its pairs in index order and places them, ranking equal
+//      experts inside a step with __match_any_sync, so each segment is stable by pair index.
+#include <cub/block/block_scan.cuh>
+
+#include "flash_moe_constants.h"
+#include "moe_align.h"
+
+namespace prime_moe {
+namespace {
+
+constexpr int kHistogramThreads = 256;
+constexpr int kScanThreads = 1024;
+constexpr int kExpertsPerScanThread = kMaxExperts / kScanThreads;
+constexpr int kScatterWarps = 4;
+static_assert(kMaxExperts % kScanThreads == 0, "the scan gives each thread whole experts");
+static_assert(kMoeAlignChunk % 32 == 0, "a chunk is whole warp steps");
+
+__device__ __forceinline__ bool routed(int32_t expert, int num_experts) {
+  return expert >= 0 && expert < num_experts;
+}
+
+__global__ void __launch_bounds__(kHistogramThreads)
+    moe_align_histogram(const int32_t* __restrict__ topk_ids, int64_t num_pairs,
+                        int num_experts, int32_t* __restrict__ chunk_counts) {
+  extern __shared__ int32_t counts[];
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kMoeAlignChunk;
+  for (int i = threadIdx.x; i < kMoeAlignChunk; i += blockDim.x) {
+    const int64_t pair = begin + i;
+    if (pair < num_pairs) {
+      const int32_t expert = topk_ids[pair];
+      if (routed(expert, num_experts)) atomicAdd(&counts[expert], 1);
+    }
+  }
+  __syncthreads();
+  int32_t* row = chunk_counts + static_cast<int64_t>(blockIdx.x) * num_experts;
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) row[e] = counts[e];
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+    moe_align_offsets(int64_t num_chunks, int num_experts, int block_m, int pad,
+                      int64_t max_padded, int32_t* __restrict__ chunk_counts,
+                      int32_t* __restrict__ expert_ids,
+                      int32_t* __restrict__ num_tokens_post_padded) {
+  using Scan = cub::BlockScan<int32_t, kScanThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+
+  // Thread t owns experts [t * kExpertsPerScanThread, ...): a blocked arrangement, so the
+  // block-wide exclusive scan of padded sizes gives each expert its segment start.
+  int32_t padded[kExpertsPerScanThread];
+  for (int i = 0; i < kExpertsPerScanThread; ++i) {
+    const int expert = threadIdx.x * kExpertsPerScanThread + i;
+    int32_t total = 0;
+    if (expert < num_experts) {
+      for (int64_t c = 0; c < num_chunks; ++c) total += chunk_counts[c * num_experts + expert];
+    }
+    padded[i] = (total + pad - 1) / pad * pad;
+  }
+  int32_t start[kExpertsPerScanThread];
+  int32_t padded_total;
+  Scan(scan_storage).ExclusiveSum(padded, start, padded_total);
+
+  const int64_t num_blocks = max_padded / block_m;
+  for (int64_t b = padded_total / block_m + threadIdx.x; b < num_blocks; b += blockDim.x) {
+    expert_ids[b] = -1;
+  }
+  for (int i = 0; i < kExpertsPerScanThread; ++i) {
+    const int expert = threadIdx.x * kExpertsPerScanThread + i;
+    if (expert >= num_experts) break;
+    for (int32_t b = start[i] / block_m; b < (start[i] + padded[i]) / block_m; ++b) {
+      expert_ids[b] = expert;
+    }
+    // Each chunk's counts become that chunk's first destination row for this expert.
+    int32_t row = start[i];
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int32_t count = chunk_counts[c * num_experts + expert];
+      chunk_counts[c * num_experts + expert] = row;
+      row += count;
+    }
+  }
+  if (threadIdx.x == 0) *num_tokens_post_padded = padded_total;
+}
+
+__global__ void __launch_bounds__(kScatterWarps * 32)
+    moe_align_scatter(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
+                      int64_t num_chunks, int32_t* __restrict__ chunk_rows,
+                      int32_t* __restrict__ sorted_token_ids) {
+  const int lane = threadIdx.x % 32;
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScatterWarps + threadIdx.x / 32;
+  if (chunk >= num_chunks) return;
+  int32_t* next_row = chunk_rows + chunk * num_experts;
+  const unsigned lanes_below = (1u << lane) - 1;
+  for (int step = 0; step < kMoeAlignChunk; step += 32) {
+    const int64_t pair = chunk * kMoeAlignChunk + step + lane;
+    int32_t expert = pair < num_pairs ? topk_ids[pair] : -1;
+    const bool keep = routed(expert, num_experts);
+    if (!keep) expert = -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, expert);
+    int32_t row = 0;
+    if (keep) row = next_row[expert] + __popc(peers & lanes_below);
+    __syncwarp();
+    if (keep) {
+      sorted_token_ids[row] = static_cast<int32_t>(pair);
+      if ((peers & lanes_below) == 0) next_row[expert] = row + __popc(peers);
+    }
+    __syncwarp();
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num_experts,
+                             int block_m, int bpc, int32_t* sorted_token_ids,
+                             int32_t* expert_ids, int32_t* num_tokens_post_padded,
+                             int64_t max_padded, int32_t* workspace, cudaStream_t stream) {
+  const int pad = block_m * bpc;
+  const int64_t num_chunks = moe_align_num_chunks(num_pairs);
+  // -1 everywhere first: padding rows and the tail past the padded total stay -1.
+  cudaError_t status =
+      cudaMemsetAsync(sorted_token_ids, 0xff, max_padded * sizeof(int32_t), stream);
+  if (status != cudaSuccess) return status;
+  if (num_chunks > 0) {
+    moe_align_histogram<<<num_chunks, kHistogramThreads, num_experts * sizeof(int32_t),
+                          stream>>>(topk_ids, num_pairs, num_experts, workspace);
+    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  }
+  moe_align_offsets<<<1, kScanThreads, 0, stream>>>(num_chunks, num_experts, block_m, pad,
+                                                    max_padded, workspace, expert_ids,
+                                                    num_tokens_post_padded);
+  if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  if (num_chunks > 0) {
+    const int64_t blocks = (num_chunks + kScatterWarps - 1) / kScatterWarps;
+    moe_align_scatter<<<blocks, kScatterWarps * 32, 0, stream>>>(
+        topk_ids, num_pairs, num_experts, num_chunks, workspace, sorted_token_ids);
+    status = cudaGetLastError();
+  }
+  return status;
+}
+
+}  // namespace prime_moe

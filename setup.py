@@ -1,0 +1,285 @@
+"""Build of prime-kernels: one extension ``prime_kernels.<name>._C`` per compiled kernel of
+``prime_kernels/kernels.toml``.
+
+Source builds are explicit: ``pip install --no-build-isolation -e .`` with torch and a CUDA
+toolkit of torch's CUDA major present. A plain, isolated ``pip install .`` sees no torch and
+compiles nothing. Variables:
+
+- ``PRIME_KERNELS=a,b``: build only these kernels (an unknown name is an error);
+- ``PRIME_KERNELS_REQUIRE=1``: a kernel that would be skipped fails the build instead;
+- ``MAX_JOBS``: parallel compile jobs (read by torch's ninja build).
+
+Extensions bind with the LibTorch stable ABI targeting torch 2.10 and the Python limited
+API, so one wheel (``cp310-abi3``) imports under every torch >= 2.10 of the same CUDA major
+and every CPython >= 3.10.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+PACKAGE = "prime_kernels"
+PACKAGE_DIR = ROOT / PACKAGE
+VERSION = "0.1.0"
+BUILD_INFO = "_build_info.json"
+# Stable-ABI target: the oldest torch whose stable C++ API the extensions may use.
+TORCH_TARGET_VERSION = "0x020a000000000000"  # 2.10
+PY_LIMITED_API_TAG = "cp310"
+# Device code in csrc/ is torch-free and wants cuda_bf16.h's operators, which torch's
+# default nvcc flags switch off.
+NVCC_RESTORE_OPERATORS = [
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+]
+
+
+def _load_manifest_module():
+    spec = importlib.util.spec_from_file_location(
+        "_prime_kernels_manifest", PACKAGE_DIR / "_manifest.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+manifest = _load_manifest_module()
+
+
+def log(message: str) -> None:
+    print(f"prime-kernels: {message}", file=sys.stderr, flush=True)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def selected_kernels(specs: dict) -> list[str]:
+    """Manifest order, restricted by PRIME_KERNELS."""
+    wanted = os.environ.get("PRIME_KERNELS", "").strip()
+    if not wanted:
+        return list(specs)
+    names = [name.strip() for name in wanted.split(",") if name.strip()]
+    unknown = [name for name in names if name not in specs]
+    if unknown:
+        raise SystemExit(
+            f"prime-kernels: PRIME_KERNELS names unknown kernel(s) {', '.join(unknown)}; "
+            f"known: {', '.join(specs)}"
+        )
+    return [name for name in specs if name in names]
+
+
+def nvcc_version(nvcc: str) -> str | None:
+    try:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return None
+    match = re.search(r"release (\d+\.\d+)", text)
+    return match.group(1) if match else None
+
+
+def probe_toolkit() -> dict:
+    """What the build environment offers: torch, its CUDA, nvcc. No exception escapes."""
+    toolkit = {"torch": None, "torch_cuda": None, "cuda_home": None, "nvcc": None}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return toolkit
+    toolkit["torch"] = torch.__version__
+    toolkit["torch_cuda"] = torch.version.cuda
+    cuda_home = cpp_extension.CUDA_HOME
+    toolkit["cuda_home"] = cuda_home
+    if cuda_home:
+        nvcc = Path(cuda_home) / "bin" / "nvcc"
+        if nvcc.exists():
+            toolkit["nvcc"] = nvcc_version(str(nvcc))
+    return toolkit
+
+
+def skip_reason(spec, toolkit: dict, kernel_dir: Path) -> str | None:
+    """Why this kernel cannot be built here, or None. One line, for the build log."""
+    if spec.python_only:
+        return None
+    if toolkit["torch"] is None:
+        return (
+            "torch is not importable in the build environment "
+            "(source builds are explicit: pip install --no-build-isolation -e .)"
+        )
+    if toolkit["torch_cuda"] is None:
+        return f"torch {toolkit['torch']} is built without CUDA"
+    if toolkit["nvcc"] is None:
+        where = toolkit["cuda_home"] or "CUDA_HOME and PATH"
+        return f"no nvcc found (looked in {where})"
+    if toolkit["nvcc"].split(".")[0] != toolkit["torch_cuda"].split(".")[0]:
+        return (
+            f"nvcc is CUDA {toolkit['nvcc']} but torch {toolkit['torch']} is built with "
+            f"CUDA {toolkit['torch_cuda']}; the CUDA majors must match"
+        )
+    missing = [src for src in spec.sources if not (kernel_dir / src).is_file()]
+    if missing:
+        return f"sources missing: {', '.join(missing)}"
+    return None
+
+
+def make_extension(spec, kernel_dir: Path):
+    from torch.utils.cpp_extension import CUDAExtension
+
+    std = f"-std=c++{spec.cxx_std}"
+    defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DUSE_CUDA"]
+    gencode = [manifest.arch_to_gencode(arch) for arch in spec.arch]
+    return CUDAExtension(
+        name=f"{PACKAGE}.{spec.name}._C",
+        sources=[str((kernel_dir / src).relative_to(ROOT)) for src in spec.sources],
+        include_dirs=[str(kernel_dir / inc) for inc in spec.include_dirs]
+        + [str(PACKAGE_DIR / "include")],
+        extra_compile_args={
+            "cxx": [std, "-O3", *defines, *spec.cxx_flags],
+            "nvcc": [std, *gencode, *defines, *NVCC_RESTORE_OPERATORS, *spec.nvcc_flags],
+        },
+        py_limited_api=True,
+    )
+
+
+def git_commit() -> str | None:
+    if os.environ.get("PRIME_KERNELS_COMMIT"):
+        return os.environ["PRIME_KERNELS_COMMIT"]
+    try:
+        result = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    if result.returncode != 0:
+        return None
+    dirty = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return result.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def plan_build():
+    specs = manifest.load_manifest(PACKAGE_DIR / "kernels.toml")
+    names = selected_kernels(specs)
+    toolkit = probe_toolkit()
+    require = env_flag("PRIME_KERNELS_REQUIRE")
+    extensions, kernels = [], {}
+    for name, spec in specs.items():
+        if name not in names:
+            kernels[name] = {"built": False, "reason": "not selected by PRIME_KERNELS"}
+            continue
+        kernel_dir = PACKAGE_DIR / name
+        reason = skip_reason(spec, toolkit, kernel_dir)
+        if reason is not None:
+            if require:
+                raise SystemExit(f"prime-kernels: {name} cannot be built: {reason}")
+            log(f"skipping {name}: {reason}")
+            kernels[name] = {"built": False, "reason": reason}
+            continue
+        if spec.python_only:
+            kernels[name] = {"built": True, "python_only": True}
+            continue
+        log(f"building {name} for {', '.join(spec.sm_names)}")
+        extensions.append(make_extension(spec, kernel_dir))
+        kernels[name] = {"built": True, "arch": list(spec.arch), "sm": list(spec.sm_names)}
+    build_info = {
+        "version": VERSION,
+        "git_commit": git_commit(),
+        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": toolkit["torch"],
+        "torch_cuda": toolkit["torch_cuda"],
+        "nvcc": toolkit["nvcc"],
+        "torch_target_version": "2.10",
+        "kernels": kernels,
+    }
+    return extensions, build_info
+
+
+EXTENSIONS, BUILD_INFO_DATA = plan_build()
+
+
+def write_build_info(build_lib: str, in_source: bool) -> list[str]:
+    """Records what this build compiled inside the package (and in the source tree for
+    in-place and editable builds, where the package is imported from there)."""
+    text = json.dumps(BUILD_INFO_DATA, indent=2) + "\n"
+    targets = [Path(build_lib) / PACKAGE / BUILD_INFO]
+    if in_source:
+        targets.append(PACKAGE_DIR / BUILD_INFO)
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return [str(targets[0])]
+
+
+class BuildPyWithMetadata(build_py):
+    # build_py runs in every build, also when no extension is compiled.
+    def run(self):
+        super().run()
+        write_build_info(self.build_lib, getattr(self, "editable_mode", False))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [
+            str(Path(self.build_lib) / PACKAGE / BUILD_INFO)
+        ]
+
+
+def build_ext_class():
+    """torch's BuildExtension (ninja, Py_LIMITED_API, its flags) when there is anything to
+    compile, plain build_ext otherwise."""
+    if not EXTENSIONS:
+        return build_ext
+    from torch.utils.cpp_extension import BuildExtension
+
+    class BuildExtWithMetadata(BuildExtension):
+        def run(self):
+            super().run()
+            if self.inplace:
+                write_build_info(self.build_lib, in_source=True)
+
+    return BuildExtWithMetadata
+
+
+def local_version() -> str:
+    if not EXTENSIONS:
+        return VERSION
+    cuda = BUILD_INFO_DATA["torch_cuda"].replace(".", "")
+    return f"{VERSION}+cu{cuda}"
+
+
+def wheel_options() -> dict:
+    if not EXTENSIONS:
+        return {}
+    return {"bdist_wheel": {"py_limited_api": PY_LIMITED_API_TAG}}
+
+
+if shutil.which("ninja") is None and EXTENSIONS:
+    log("ninja not found: compiling serially (pip install ninja for MAX_JOBS parallelism)")
+
+setup(
+    version=local_version(),
+    packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
+    package_data={PACKAGE: ["kernels.toml"]},
+    exclude_package_data={"": ["csrc/*", "include/*"]},
+    ext_modules=EXTENSIONS,
+    cmdclass={"build_py": BuildPyWithMetadata, "build_ext": build_ext_class()},
+    options=wheel_options(),
+)
