@@ -214,72 +214,69 @@ def plan_build():
     return extensions, build_info
 
 
-EXTENSIONS, BUILD_INFO_DATA = plan_build()
-
-
-def write_build_info(build_lib: str, in_source: bool) -> list[str]:
+def write_build_info(build_info: dict, build_lib: str, in_source: bool) -> None:
     """Records what this build compiled inside the package (and in the source tree for
     in-place and editable builds, where the package is imported from there)."""
-    text = json.dumps(BUILD_INFO_DATA, indent=2) + "\n"
+    text = json.dumps(build_info, indent=2) + "\n"
     targets = [Path(build_lib) / PACKAGE / BUILD_INFO]
     if in_source:
         targets.append(PACKAGE_DIR / BUILD_INFO)
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
-    return [str(targets[0])]
 
 
-class BuildPyWithMetadata(build_py):
-    # build_py runs in every build, also when no extension is compiled.
-    def run(self):
-        super().run()
-        write_build_info(self.build_lib, getattr(self, "editable_mode", False))
+def command_classes(extensions: list, build_info: dict) -> dict:
+    """build_py records what the build compiled (it runs in every build, also when nothing
+    is compiled); build_ext is torch's BuildExtension (ninja, Py_LIMITED_API, its flags)
+    when there is anything to compile."""
 
-    def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [
-            str(Path(self.build_lib) / PACKAGE / BUILD_INFO)
-        ]
-
-
-def build_ext_class():
-    """torch's BuildExtension (ninja, Py_LIMITED_API, its flags) when there is anything to
-    compile, plain build_ext otherwise."""
-    if not EXTENSIONS:
-        return build_ext
-    from torch.utils.cpp_extension import BuildExtension
-
-    class BuildExtWithMetadata(BuildExtension):
+    class BuildPyWithMetadata(build_py):
         def run(self):
             super().run()
-            if self.inplace:
-                write_build_info(self.build_lib, in_source=True)
+            write_build_info(build_info, self.build_lib, getattr(self, "editable_mode", False))
 
-    return BuildExtWithMetadata
+        def get_outputs(self, include_bytecode=True):
+            return super().get_outputs(include_bytecode) + [
+                str(Path(self.build_lib) / PACKAGE / BUILD_INFO)
+            ]
+
+    classes = {"build_py": BuildPyWithMetadata, "build_ext": build_ext}
+    if extensions:
+        from torch.utils.cpp_extension import BuildExtension
+
+        class BuildExtWithMetadata(BuildExtension):
+            def run(self):
+                super().run()
+                if self.inplace:
+                    write_build_info(build_info, self.build_lib, in_source=True)
+
+        classes["build_ext"] = BuildExtWithMetadata
+    return classes
 
 
-def local_version() -> str:
-    if not EXTENSIONS:
-        return VERSION
-    cuda = BUILD_INFO_DATA["torch_cuda"].replace(".", "")
-    return f"{VERSION}+cu{cuda}"
+def main() -> None:
+    extensions, build_info = plan_build()
+    if extensions and shutil.which("ninja") is None:
+        log("ninja not found: compiling serially (pip install ninja for MAX_JOBS parallelism)")
+    # A regular install names the CUDA it is bound to; the stable ABI frees it from torch's
+    # exact version (abi3 wheel, torch >= 2.10).
+    version = VERSION
+    options = {}
+    if extensions:
+        version += "+cu" + build_info["torch_cuda"].replace(".", "")
+        options = {"bdist_wheel": {"py_limited_api": PY_LIMITED_API_TAG}}
+    setup(
+        version=version,
+        packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
+        package_data={PACKAGE: ["kernels.toml"]},
+        exclude_package_data={"": ["csrc/*", "include/*"]},
+        ext_modules=extensions,
+        cmdclass=command_classes(extensions, build_info),
+        options=options,
+    )
 
 
-def wheel_options() -> dict:
-    if not EXTENSIONS:
-        return {}
-    return {"bdist_wheel": {"py_limited_api": PY_LIMITED_API_TAG}}
-
-
-if shutil.which("ninja") is None and EXTENSIONS:
-    log("ninja not found: compiling serially (pip install ninja for MAX_JOBS parallelism)")
-
-setup(
-    version=local_version(),
-    packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
-    package_data={PACKAGE: ["kernels.toml"]},
-    exclude_package_data={"": ["csrc/*", "include/*"]},
-    ext_modules=EXTENSIONS,
-    cmdclass={"build_py": BuildPyWithMetadata, "build_ext": build_ext_class()},
-    options=wheel_options(),
-)
+# setuptools executes this file as __main__; tests import it to check the skip logic.
+if __name__ == "__main__":
+    main()
