@@ -11,6 +11,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdlib>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -42,21 +43,50 @@ std::string shape_of(const Tensor& t) {
   return text.str();
 }
 
-// One tensor argument: dtype, device, contiguity and rank, checked in that order so the
-// message names the first thing wrong.
-void check_tensor(const char* op, const char* name, const Tensor& t, ScalarType dtype,
-                  int64_t rank) {
-  if (t.scalar_type() != dtype) {
-    fail(op, "argument '", name, "' must be a ", torch::headeronly::toString(dtype),
-         " tensor, got ", torch::headeronly::toString(t.scalar_type()));
+// Dtype names as Python users write them.
+std::string dtype_name(ScalarType type) {
+  switch (type) {
+    case ScalarType::BFloat16: return "torch.bfloat16";
+    case ScalarType::Half: return "torch.float16";
+    case ScalarType::Float: return "torch.float32";
+    case ScalarType::Double: return "torch.float64";
+    case ScalarType::Int: return "torch.int32";
+    case ScalarType::Long: return "torch.int64";
+    case ScalarType::Byte: return "torch.uint8";
+    case ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
+    case ScalarType::Float8_e8m0fnu: return "torch.float8_e8m0fnu";
+    default: return std::string("torch.") + torch::headeronly::toString(type);
   }
-  if (!t.is_cuda()) fail(op, "argument '", name, "' must be on a CUDA device, got a CPU tensor");
-  if (!t.is_contiguous()) {
-    fail(op, "argument '", name, "' must be contiguous, got shape ", shape_of(t),
-         " with non-contiguous strides");
+}
+
+struct TensorArg {
+  const char* name;
+  const Tensor& tensor;
+  ScalarType dtype;
+  int64_t rank;  // -1: any
+};
+
+// Dtypes of all arguments first, then device, contiguity and rank: a call with CPU tensors
+// still learns about a wrong dtype.
+void check_tensors(const char* op, std::initializer_list<TensorArg> args) {
+  for (const TensorArg& arg : args) {
+    if (arg.tensor.scalar_type() != arg.dtype) {
+      fail(op, "argument '", arg.name, "' must be a ", dtype_name(arg.dtype), " tensor, got ",
+           dtype_name(arg.tensor.scalar_type()));
+    }
   }
-  if (rank >= 0 && t.dim() != rank) {
-    fail(op, "argument '", name, "' must be ", rank, "-D, got shape ", shape_of(t));
+  for (const TensorArg& arg : args) {
+    const Tensor& t = arg.tensor;
+    if (!t.is_cuda()) {
+      fail(op, "argument '", arg.name, "' must be on a CUDA device, got a CPU tensor");
+    }
+    if (!t.is_contiguous()) {
+      fail(op, "argument '", arg.name, "' must be contiguous, got shape ", shape_of(t),
+           " with non-contiguous strides");
+    }
+    if (arg.rank >= 0 && t.dim() != arg.rank) {
+      fail(op, "argument '", arg.name, "' must be ", arg.rank, "-D, got shape ", shape_of(t));
+    }
   }
 }
 
@@ -107,7 +137,7 @@ void check_block_m_bpc(const char* op, int64_t block_m, int64_t bpc) {
 std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_experts,
                                              int64_t block_m, int64_t bpc) {
   constexpr const char* op = "moe_align";
-  check_tensor(op, "topk_ids", topk_ids, ScalarType::Int, -1);
+  check_tensors(op, {{"topk_ids", topk_ids, ScalarType::Int, -1}});
   if (topk_ids.dim() != 2) {
     fail(op, "argument 'topk_ids' must be 2-D (T, top_k), got shape ", shape_of(topk_ids));
   }
@@ -144,14 +174,14 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
                     int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n,
                     int64_t stages, int64_t bpc, int64_t cpc, bool split) {
   constexpr const char* op = "fused_moe_bf16";
-  check_tensor(op, "x", x, ScalarType::BFloat16, 2);
-  check_tensor(op, "w", w, ScalarType::BFloat16, 3);
-  check_tensor(op, "w2", w2, ScalarType::BFloat16, 3);
-  check_tensor(op, "sorted_token_ids", sorted_token_ids, ScalarType::Int, 1);
-  check_tensor(op, "expert_ids", expert_ids, ScalarType::Int, 1);
-  check_tensor(op, "num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, -1);
-  check_tensor(op, "topk_weights", topk_weights, ScalarType::Float, -1);
-  check_tensor(op, "out", out, ScalarType::BFloat16, 2);
+  check_tensors(op, {{"x", x, ScalarType::BFloat16, 2},
+                     {"w", w, ScalarType::BFloat16, 3},
+                     {"w2", w2, ScalarType::BFloat16, 3},
+                     {"sorted_token_ids", sorted_token_ids, ScalarType::Int, 1},
+                     {"expert_ids", expert_ids, ScalarType::Int, 1},
+                     {"num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, -1},
+                     {"topk_weights", topk_weights, ScalarType::Float, -1},
+                     {"out", out, ScalarType::BFloat16, 2}});
   check_same_device(op, x, "x", w, "w");
   check_same_device(op, x, "x", w2, "w2");
   check_same_device(op, x, "x", sorted_token_ids, "sorted_token_ids");
@@ -255,6 +285,13 @@ STABLE_TORCH_LIBRARY(prime_moe, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {
+  m.impl("moe_align", TORCH_BOX(&prime_moe::moe_align));
+  m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
+}
+
+// CPU tensors reach the same checks, so they get the message naming the argument and the
+// device it must be on instead of the dispatcher's "no kernel for CPU".
+STABLE_TORCH_LIBRARY_IMPL(prime_moe, CPU, m) {
   m.impl("moe_align", TORCH_BOX(&prime_moe::moe_align));
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
 }

@@ -1,0 +1,144 @@
+"""moe_align on the GPU against the pure-PyTorch reference: exact equality, over uniform,
+Zipf-skewed and single-expert routing, T=1, empty experts and dropped ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prime_kernels.flash_moe import reference
+
+pytestmark = pytest.mark.gpu
+
+POISON = 0x7EADBEEF
+
+
+def poison_allocator(nbytes: int = 64 << 20) -> None:
+    """Leave the caching allocator's free blocks full of a poison pattern, so an output
+    element the op forgets to write shows up as that pattern, not as a lucky zero."""
+    block = torch.full((nbytes // 4,), POISON, dtype=torch.int32, device="cuda")
+    del block
+
+
+def zipf_ids(T, E, k, generator):
+    """Each token's k distinct experts drawn with probability ~ 1 / rank^1.2."""
+    weights = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+    weights = weights[torch.randperm(E, generator=generator)]
+    ids = torch.multinomial(weights.expand(T, E), k, replacement=False, generator=generator)
+    return ids.to(torch.int32)
+
+
+def make_ids(kind, T, E, k, generator):
+    if kind == "uniform":
+        return reference.routing(T, E, k, generator=generator)[0]
+    if kind == "zipf":
+        return zipf_ids(T, E, k, generator)
+    if kind == "one_expert":
+        return torch.full((T, k), E // 2, dtype=torch.int32)
+    if kind == "empty_experts":  # only even experts get tokens
+        return (torch.randint(0, max(E // 2, 1), (T, k), generator=generator) * 2 % E).int()
+    if kind == "dropped":  # ids outside [0, E): -1, E, large, very negative
+        ids = reference.routing(T, E, k, generator=generator)[0]
+        mask = torch.rand(T, k, generator=generator) < 0.3
+        bad = torch.tensor([-1, E, E + 7, -(2**31), 2**31 - 1], dtype=torch.int32)
+        choice = bad[torch.randint(0, len(bad), (T, k), generator=generator)]
+        return torch.where(mask, choice, ids)
+    raise ValueError(kind)
+
+
+def check_against_reference(flash_moe, ids, E, block_m, bpc):
+    poison_allocator()
+    got = flash_moe.moe_align(ids, E, block_m, bpc)
+    want = reference.moe_align_reference(ids, E, block_m, bpc)
+    for name, a, b in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, want):
+        assert a.dtype == torch.int32 and a.device == ids.device, name
+        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        mismatch = (a != b).nonzero()
+        assert mismatch.numel() == 0, (
+            f"{name}: {mismatch.shape[0]} of {a.numel()} elements differ, first at "
+            f"{mismatch[0].item()}: got {a[mismatch[0]].item()}, want {b[mismatch[0]].item()}"
+        )
+    return got
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("kind", ["uniform", "zipf", "one_expert", "empty_experts", "dropped"])
+@pytest.mark.parametrize(("T", "E", "k"), [(1, 8, 2), (7, 4, 1), (1000, 128, 8), (4096, 64, 4)])
+def test_routing_kinds(flash_moe, seed, kind, T, E, k):
+    generator = torch.Generator().manual_seed(seed)
+    ids = make_ids(kind, T, E, min(k, E), generator).cuda()
+    check_against_reference(flash_moe, ids, E, flash_moe.BLOCK_M, 1)
+
+
+@pytest.mark.parametrize(("block_m", "bpc"), [(64, 1), (128, 2), (16, 4), (256, 1)])
+def test_block_sizes(flash_moe, seed, block_m, bpc):
+    generator = torch.Generator().manual_seed(seed)
+    ids = make_ids("zipf", 3000, 32, 4, generator).cuda()
+    check_against_reference(flash_moe, ids, 32, block_m, bpc)
+
+
+@pytest.mark.parametrize(("T", "E", "k"), [(32768, 128, 8), (20000, 4096, 8), (300, 1, 1),
+                                           (8192, 4095, 2)])
+def test_large_and_extreme_expert_counts(flash_moe, seed, T, E, k):
+    generator = torch.Generator().manual_seed(seed)
+    ids = make_ids("uniform" if E >= k else "one_expert", T, E, k, generator).cuda()
+    check_against_reference(flash_moe, ids, E, flash_moe.BLOCK_M, 1)
+
+
+def test_no_tokens(flash_moe):
+    ids = torch.empty(0, 8, dtype=torch.int32, device="cuda")
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 16)
+    assert total.item() == 0
+    assert (sorted_ids == -1).all() and (expert_ids == -1).all()
+
+
+def test_deterministic(flash_moe, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = make_ids("zipf", 8192, 128, 8, generator).cuda()
+    first = flash_moe.moe_align(ids, 128)
+    for _ in range(5):
+        again = flash_moe.moe_align(ids, 128)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_cuda_graph_capture(flash_moe, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = make_ids("uniform", 2048, 64, 8, generator).cuda()
+    flash_moe.moe_align(ids, 64)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_moe.moe_align(ids, 64)
+    ids.copy_(make_ids("zipf", 2048, 64, 8, generator).cuda())
+    graph.replay()
+    want = reference.moe_align_reference(ids, 64)
+    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+
+
+def test_torch_compile_fullgraph(flash_moe, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = make_ids("uniform", 512, 16, 2, generator).cuda()
+    compiled = torch.compile(lambda t: flash_moe.moe_align(t, 16), fullgraph=True)
+    got = compiled(ids)
+    want = reference.moe_align_reference(ids, 16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_opcheck(flash_moe, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = make_ids("uniform", 300, 16, 4, generator).cuda()
+    torch.library.opcheck(torch.ops.prime_moe.moe_align.default, (ids, 16, 128, 1))
+    torch.library.opcheck(torch.ops.prime_moe.moe_align.default, (ids, 16, 64, 2))
+
+
+def test_rejects_bad_arguments(flash_moe):
+    ids = torch.zeros(4, 2, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"num_experts=0 must be in \[1, 4096\]"):
+        flash_moe.moe_align(ids, 0)
+    with pytest.raises(ValueError, match=r"num_experts=4097 must be in \[1, 4096\]"):
+        flash_moe.moe_align(ids, 4097)
+    with pytest.raises(ValueError, match="block_m=100 must be a positive multiple of 16"):
+        flash_moe.moe_align(ids, 4, 100)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        flash_moe.moe_align(ids.flatten(), 4)
+    with pytest.raises(ValueError, match="'topk_ids' must be contiguous"):
+        flash_moe.moe_align(torch.zeros(2, 4, dtype=torch.int32, device="cuda").t(), 4)
