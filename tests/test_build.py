@@ -204,9 +204,7 @@ def test_throwaway_kernel_builds_from_its_table(tmp_path):
         print("ok")
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", check], cwd=root, capture_output=True, text=True
-    )
+    result = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "ghost is not compiled into this install (the build skipped it: sources missing" in (
         result.stdout

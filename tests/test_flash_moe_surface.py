@@ -48,8 +48,10 @@ def test_unsupported_shape_reason(dim, hidden_dim, kwargs, expected):
         assert reason is not None and reason.startswith(expected), reason
 
 
-@pytest.mark.parametrize(("T", "k", "E", "block_m", "bpc"), [(1, 1, 1, 128, 1), (512, 2, 4, 128, 1),
-                                                            (1000, 8, 128, 64, 2)])
+@pytest.mark.parametrize(
+    ("T", "k", "E", "block_m", "bpc"),
+    [(1, 1, 1, 128, 1), (512, 2, 4, 128, 1), (1000, 8, 128, 64, 2)],
+)
 @needs_extension
 def test_moe_align_fake_shapes(T, k, E, block_m, bpc):
     with FakeTensorMode():
@@ -82,7 +84,6 @@ def cpu_args(T=8, D=256, H=128, E=4, k=2):
     x = torch.randn(T, D).bfloat16()
     w = torch.randn(E, 2 * H, D).bfloat16()
     w2 = torch.randn(E, D, H).bfloat16()
-    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
     tw = torch.rand(T, k)
     pad = flash_moe.BLOCK_M
     max_padded = flash_moe.moe_align_max_padded(T * k, E, pad)
@@ -90,20 +91,39 @@ def cpu_args(T=8, D=256, H=128, E=4, k=2):
     expert_ids = torch.zeros(max_padded // pad, dtype=torch.int32)
     total = torch.zeros(1, dtype=torch.int32)
     out = torch.empty(T, D).bfloat16()
-    return dict(x=x, w=w, w2=w2, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
-                num_tokens_post_padded=total, topk_weights=tw, out=out, top_k=k)
+    return dict(
+        x=x,
+        w=w,
+        w2=w2,
+        sorted_token_ids=sorted_ids,
+        expert_ids=expert_ids,
+        num_tokens_post_padded=total,
+        topk_weights=tw,
+        out=out,
+        top_k=k,
+    )
 
 
 @needs_extension
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"x": lambda a: a["x"].float()}, "argument 'x' must be a torch.bfloat16 tensor, got torch.float32"),
-        ({"w2": lambda a: a["w2"].half()}, "argument 'w2' must be a torch.bfloat16 tensor, got torch.float16"),
-        ({"topk_weights": lambda a: a["topk_weights"].double()},
-         "argument 'topk_weights' must be a torch.float32 tensor, got torch.float64"),
-        ({"sorted_token_ids": lambda a: a["sorted_token_ids"].long()},
-         "argument 'sorted_token_ids' must be a torch.int32 tensor, got torch.int64"),
+        (
+            {"x": lambda a: a["x"].float()},
+            "argument 'x' must be a torch.bfloat16 tensor, got torch.float32",
+        ),
+        (
+            {"w2": lambda a: a["w2"].half()},
+            "argument 'w2' must be a torch.bfloat16 tensor, got torch.float16",
+        ),
+        (
+            {"topk_weights": lambda a: a["topk_weights"].double()},
+            "argument 'topk_weights' must be a torch.float32 tensor, got torch.float64",
+        ),
+        (
+            {"sorted_token_ids": lambda a: a["sorted_token_ids"].long()},
+            "argument 'sorted_token_ids' must be a torch.int32 tensor, got torch.int64",
+        ),
         ({"x": lambda a: a["x"]}, "argument 'x' must be on a CUDA device, got a CPU tensor"),
     ],
 )
@@ -118,7 +138,9 @@ def test_fused_moe_bf16_rejects_bad_input_by_name(change, message):
 
 @needs_extension
 def test_moe_align_rejects_bad_input_by_name():
-    with pytest.raises(ValueError, match="argument 'topk_ids' must be a torch.int32 tensor, got torch.int64"):
+    with pytest.raises(
+        ValueError, match="argument 'topk_ids' must be a torch.int32 tensor, got torch.int64"
+    ):
         flash_moe.moe_align(torch.zeros(4, 2, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="argument 'topk_ids' must be on a CUDA device"):
         flash_moe.moe_align(torch.zeros(4, 2, dtype=torch.int32), 4)

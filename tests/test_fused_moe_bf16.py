@@ -31,13 +31,21 @@ def run_ours(flash_moe, x, w, w2, ids, weights, *, split, block_m=None, **tuning
     block_m = block_m or flash_moe.BLOCK_M
     E, k = w.shape[0], ids.shape[1]
     sorted_ids, expert_ids, total = flash_moe.moe_align(ids, E, block_m)
-    if split:  # the op must overwrite every element: poison it with NaN
-        out = torch.full_like(x, float("nan"))
-    else:
-        out = torch.zeros_like(x)
+    # split=True must overwrite every element: poison it with NaN.
+    out = torch.full_like(x, float("nan")) if split else torch.zeros_like(x)
     result = flash_moe.fused_moe_bf16(
-        x, w, w2, sorted_ids, expert_ids, total, weights, out, k, block_m=block_m,
-        split=split, **tuning,
+        x,
+        w,
+        w2,
+        sorted_ids,
+        expert_ids,
+        total,
+        weights,
+        out,
+        k,
+        block_m=block_m,
+        split=split,
+        **tuning,
     )
     assert result is out
     return out
@@ -90,9 +98,14 @@ def test_against_reference(flash_moe, seed, split, T, D, H, E, k, kind):
 
 @pytest.mark.sanitize
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-@pytest.mark.parametrize(("T", "D", "H", "E", "k", "kind"), [
-    (37, 128, 64, 4, 2, "uniform"), (9, 64, 128, 3, 1, "dropped"), (50, 128, 128, 8, 8, "zipf"),
-])
+@pytest.mark.parametrize(
+    ("T", "D", "H", "E", "k", "kind"),
+    [
+        (37, 128, 64, 4, 2, "uniform"),
+        (9, 64, 128, 3, 1, "dropped"),
+        (50, 128, 128, 8, 8, "zipf"),
+    ],
+)
 def test_small_shapes_for_sanitizer(flash_moe, seed, split, T, D, H, E, k, kind):
     generator = torch.Generator().manual_seed(seed)
     check(flash_moe, make_inputs(T, D, H, E, k, kind, generator), split=split)
@@ -101,8 +114,7 @@ def test_small_shapes_for_sanitizer(flash_moe, seed, split, T, D, H, E, k, kind)
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
 def test_block_m_64(flash_moe, seed, split):
     generator = torch.Generator().manual_seed(seed)
-    check(flash_moe, make_inputs(700, 512, 256, 16, 4, "zipf", generator), split=split,
-          block_m=64)
+    check(flash_moe, make_inputs(700, 512, 256, 16, 4, "zipf", generator), split=split, block_m=64)
 
 
 def test_split_is_bitwise_deterministic(flash_moe, seed):
@@ -123,8 +135,9 @@ def test_cuda_graph_capture(flash_moe, seed, split):
         sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 16)
         if not split:
             out.zero_()
-        flash_moe.fused_moe_bf16(x, w, w2, sorted_ids, expert_ids, total, weights, out, 4,
-                                 split=split)
+        flash_moe.fused_moe_bf16(
+            x, w, w2, sorted_ids, expert_ids, total, weights, out, 4, split=split
+        )
 
     forward()
     torch.cuda.synchronize()
@@ -147,8 +160,9 @@ def test_torch_compile_fullgraph(flash_moe, seed):
     def forward(x, w, w2, ids, weights):
         sorted_ids, expert_ids, total = flash_moe.moe_align(ids, w.shape[0])
         out = torch.empty_like(x)
-        return flash_moe.fused_moe_bf16(x, w, w2, sorted_ids, expert_ids, total, weights, out,
-                                        ids.shape[1])
+        return flash_moe.fused_moe_bf16(
+            x, w, w2, sorted_ids, expert_ids, total, weights, out, ids.shape[1]
+        )
 
     compiled = torch.compile(forward, fullgraph=True)
     out = compiled(x, w, w2, ids, weights)
@@ -162,9 +176,11 @@ def test_opcheck(flash_moe, seed):
     sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 4)
     out = torch.empty_like(x)
     args = (x, w, w2, sorted_ids, expert_ids, total, weights, out, 2)
-    torch.library.opcheck(torch.ops.prime_moe.fused_moe_bf16.default, args,
-                          test_utils=("test_schema", "test_faketensor",
-                                      "test_aot_dispatch_static"))
+    torch.library.opcheck(
+        torch.ops.prime_moe.fused_moe_bf16.default,
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )
 
 
 @pytest.mark.sanitize
@@ -180,8 +196,9 @@ def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
         total.fill_(bad_total)
         for split in (True, False):
             out = torch.zeros_like(x)
-            flash_moe.fused_moe_bf16(x, w, w2, sorted_ids, expert_ids, total, weights, out, 2,
-                                     split=split)
+            flash_moe.fused_moe_bf16(
+                x, w, w2, sorted_ids, expert_ids, total, weights, out, 2, split=split
+            )
     torch.cuda.synchronize()
 
 
@@ -216,6 +233,14 @@ def test_rejects_bad_arguments(flash_moe, seed):
         call(block_n=96)
     with pytest.raises(ValueError, match="dim=96"):
         x96 = torch.randn(64, 96, device="cuda").bfloat16()
-        flash_moe.fused_moe_bf16(x96, torch.randn(4, 256, 96, device="cuda").bfloat16(),
-                                 torch.randn(4, 96, 128, device="cuda").bfloat16(), sorted_ids,
-                                 expert_ids, total, weights, torch.empty_like(x96), 2)
+        flash_moe.fused_moe_bf16(
+            x96,
+            torch.randn(4, 256, 96, device="cuda").bfloat16(),
+            torch.randn(4, 96, 128, device="cuda").bfloat16(),
+            sorted_ids,
+            expert_ids,
+            total,
+            weights,
+            torch.empty_like(x96),
+            2,
+        )

@@ -42,7 +42,7 @@ def test_manifest_order_is_kept():
 @pytest.mark.parametrize(
     ("edit", "key", "message"),
     [
-        (('cxx-std = 17', 'cxx-std = 17\ncolour = "red"'), "colour", "unknown key"),
+        (("cxx-std = 17", 'cxx-std = 17\ncolour = "red"'), "colour", "unknown key"),
         (('arch = ["9.0a", "10.0f", "8.0"]', 'arch = ["sm_90a"]'), "arch", "not a compute"),
         (('arch = ["9.0a", "10.0f", "8.0"]', 'arch = ["9.0x"]'), "arch", "not a compute"),
         (('arch = ["9.0a", "10.0f", "8.0"]', "arch = []"), "arch", "at least one"),

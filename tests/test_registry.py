@@ -28,8 +28,13 @@ def test_kernels_in_manifest_order():
 
 
 def test_unknown_name_lists_known_kernels():
-    for call in (prime_kernels.spec, prime_kernels.is_built, prime_kernels.unavailable_reason,
-                 prime_kernels.is_available, prime_kernels.load):
+    for call in (
+        prime_kernels.spec,
+        prime_kernels.is_built,
+        prime_kernels.unavailable_reason,
+        prime_kernels.is_available,
+        prime_kernels.load,
+    ):
         with pytest.raises(KeyError, match="unknown kernel 'nope'; known kernels: flash_moe"):
             call("nope")
 
@@ -87,8 +92,7 @@ def test_built_arch_comes_from_the_build_record(monkeypatch):
     monkeypatch.setattr(prime_kernels, "build_info", lambda: info)
     fake_device(monkeypatch, (9, 0))
     assert prime_kernels.unavailable_reason("flash_moe") == (
-        "flash_moe requires sm_100a, this device is sm_90 "
-        "(flash_moe was built for sm_100a only)."
+        "flash_moe requires sm_100a, this device is sm_90 (flash_moe was built for sm_100a only)."
     )
 
 

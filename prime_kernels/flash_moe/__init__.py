@@ -152,3 +152,41 @@ if EXTENSION_BUILT:
         split=True,
     ):
         return None
+
+
+def self_check(T: int = 1024, D: int = 1024, H: int = 512, E: int = 16, k: int = 4):
+    """One small random problem through every op, against reference.py (for the CLI).
+    Yields ``(label, relative error, ms)``."""
+    from . import reference
+
+    def timed(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        start.record()
+        result = fn()
+        end.record()
+        torch.cuda.synchronize()
+        return result, start.elapsed_time(end)
+
+    x = (0.2 * torch.randn(T, D, device="cuda")).bfloat16()
+    w = (0.05 * torch.randn(E, 2 * H, D, device="cuda")).bfloat16()
+    w2 = (0.05 * torch.randn(E, D, H, device="cuda")).bfloat16()
+    topk_ids, topk_weights = reference.routing(T, E, k, device="cuda")
+
+    aligned, ms = timed(lambda: moe_align(topk_ids, E))
+    expected = reference.moe_align_reference(topk_ids, E)
+    mismatches = sum(int((a != b).sum()) for a, b in zip(aligned, expected))
+    yield f"moe_align T={T} E={E} k={k} (mismatches)", float(mismatches), ms
+
+    ref = reference.moe_grouped_mm(x, w, w2, topk_ids, topk_weights)
+    for split in (True, False):
+        out = torch.zeros_like(x)
+
+        def forward(out=out, split=split):
+            if not split:
+                out.zero_()
+            return fused_moe_bf16(x, w, w2, *aligned, topk_weights, out, k, split=split)
+
+        result, ms = timed(forward)
+        label = f"fused_moe_bf16 split={split} T={T} D={D} H={H} E={E} k={k}"
+        yield label, reference.relative_error(result, ref), ms

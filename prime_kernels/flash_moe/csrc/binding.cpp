@@ -46,16 +46,26 @@ std::string shape_of(const Tensor& t) {
 // Dtype names as Python users write them.
 std::string dtype_name(ScalarType type) {
   switch (type) {
-    case ScalarType::BFloat16: return "torch.bfloat16";
-    case ScalarType::Half: return "torch.float16";
-    case ScalarType::Float: return "torch.float32";
-    case ScalarType::Double: return "torch.float64";
-    case ScalarType::Int: return "torch.int32";
-    case ScalarType::Long: return "torch.int64";
-    case ScalarType::Byte: return "torch.uint8";
-    case ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
-    case ScalarType::Float8_e8m0fnu: return "torch.float8_e8m0fnu";
-    default: return std::string("torch.") + torch::headeronly::toString(type);
+    case ScalarType::BFloat16:
+      return "torch.bfloat16";
+    case ScalarType::Half:
+      return "torch.float16";
+    case ScalarType::Float:
+      return "torch.float32";
+    case ScalarType::Double:
+      return "torch.float64";
+    case ScalarType::Int:
+      return "torch.int32";
+    case ScalarType::Long:
+      return "torch.int64";
+    case ScalarType::Byte:
+      return "torch.uint8";
+    case ScalarType::Float8_e4m3fn:
+      return "torch.float8_e4m3fn";
+    case ScalarType::Float8_e8m0fnu:
+      return "torch.float8_e8m0fnu";
+    default:
+      return std::string("torch.") + torch::headeronly::toString(type);
   }
 }
 
@@ -90,11 +100,11 @@ void check_tensors(const char* op, std::initializer_list<TensorArg> args) {
   }
 }
 
-void check_same_device(const char* op, const Tensor& first, const char* first_name,
-                       const Tensor& t, const char* name) {
+void check_same_device(const char* op, const Tensor& first, const char* first_name, const Tensor& t,
+                       const char* name) {
   if (t.get_device_index() != first.get_device_index()) {
-    fail(op, "argument '", name, "' is on cuda:", static_cast<int>(t.get_device_index()),
-         " but '", first_name, "' is on cuda:", static_cast<int>(first.get_device_index()),
+    fail(op, "argument '", name, "' is on cuda:", static_cast<int>(t.get_device_index()), " but '",
+         first_name, "' is on cuda:", static_cast<int>(first.get_device_index()),
          "; all tensors must be on one CUDA device");
   }
 }
@@ -134,8 +144,8 @@ void check_block_m_bpc(const char* op, int64_t block_m, int64_t bpc) {
   }
 }
 
-std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_experts,
-                                             int64_t block_m, int64_t bpc) {
+std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_experts, int64_t block_m,
+                                             int64_t bpc) {
   constexpr const char* op = "moe_align";
   check_tensors(op, {{"topk_ids", topk_ids, ScalarType::Int, -1}});
   if (topk_ids.dim() != 2) {
@@ -158,21 +168,22 @@ std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_expert
   Tensor expert_ids = torch::stable::new_empty(topk_ids, {max_padded / block_m});
   Tensor num_tokens_post_padded = torch::stable::new_empty(topk_ids, {1});
   const int64_t workspace_elems = moe_align_num_chunks(num_pairs) * num_experts;
-  Tensor workspace = torch::stable::new_empty(topk_ids, {workspace_elems > 0 ? workspace_elems : 1});
-  check_cuda(op, launch_moe_align(
-                     topk_ids.const_data_ptr<int32_t>(), num_pairs, static_cast<int>(num_experts),
-                     static_cast<int>(block_m), static_cast<int>(bpc),
-                     sorted_token_ids.mutable_data_ptr<int32_t>(),
-                     expert_ids.mutable_data_ptr<int32_t>(),
-                     num_tokens_post_padded.mutable_data_ptr<int32_t>(), max_padded,
-                     workspace.mutable_data_ptr<int32_t>(), current_stream(device)));
+  Tensor workspace =
+      torch::stable::new_empty(topk_ids, {workspace_elems > 0 ? workspace_elems : 1});
+  check_cuda(op,
+             launch_moe_align(topk_ids.const_data_ptr<int32_t>(), num_pairs,
+                              static_cast<int>(num_experts), static_cast<int>(block_m),
+                              static_cast<int>(bpc), sorted_token_ids.mutable_data_ptr<int32_t>(),
+                              expert_ids.mutable_data_ptr<int32_t>(),
+                              num_tokens_post_padded.mutable_data_ptr<int32_t>(), max_padded,
+                              workspace.mutable_data_ptr<int32_t>(), current_stream(device)));
   return {sorted_token_ids, expert_ids, num_tokens_post_padded};
 }
 
 void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids,
-                    Tensor num_tokens_post_padded, Tensor topk_weights, Tensor out,
-                    int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n,
-                    int64_t stages, int64_t bpc, int64_t cpc, bool split) {
+                    Tensor num_tokens_post_padded, Tensor topk_weights, Tensor out, int64_t top_k,
+                    int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
+                    int64_t cpc, bool split) {
   constexpr const char* op = "fused_moe_bf16";
   check_tensors(op, {{"x", x, ScalarType::BFloat16, 2},
                      {"w", w, ScalarType::BFloat16, 3},
@@ -264,8 +275,8 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
   torch::stable::accelerator::DeviceGuard guard(device);
   const int64_t workspace_bytes =
       static_cast<int64_t>(fused_moe_bf16_workspace_bytes(problem, config));
-  Tensor workspace = torch::stable::new_empty(
-      x, {workspace_bytes > 0 ? workspace_bytes : 1}, ScalarType::Byte);
+  Tensor workspace =
+      torch::stable::new_empty(x, {workspace_bytes > 0 ? workspace_bytes : 1}, ScalarType::Byte);
   check_cuda(op, launch_fused_moe_bf16(problem, config, workspace.mutable_data_ptr(),
                                        current_stream(device)));
 }
@@ -304,10 +315,8 @@ extern "C" PyMODINIT_FUNC PyInit__C(void) {
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   const std::pair<const char*, long> constants[] = {
-      {"BLOCK_M", prime_moe::kBlockM},
-      {"MXFP8_SCALE_BLOCK", prime_moe::kMxfp8ScaleBlock},
-      {"DIM_MULTIPLE", prime_moe::kDimMultiple},
-      {"HIDDEN_MULTIPLE", prime_moe::kHiddenMultiple},
+      {"BLOCK_M", prime_moe::kBlockM},           {"MXFP8_SCALE_BLOCK", prime_moe::kMxfp8ScaleBlock},
+      {"DIM_MULTIPLE", prime_moe::kDimMultiple}, {"HIDDEN_MULTIPLE", prime_moe::kHiddenMultiple},
       {"MAX_EXPERTS", prime_moe::kMaxExperts},
   };
   for (const auto& [name, value] : constants) {

@@ -26,8 +26,8 @@ __device__ __forceinline__ bool routed(int32_t expert, int num_experts) {
 }
 
 __global__ void __launch_bounds__(kHistogramThreads)
-    moe_align_histogram(const int32_t* __restrict__ topk_ids, int64_t num_pairs,
-                        int num_experts, int32_t* __restrict__ chunk_counts) {
+    moe_align_histogram(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
+                        int32_t* __restrict__ chunk_counts) {
   extern __shared__ int32_t counts[];
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
@@ -45,9 +45,8 @@ __global__ void __launch_bounds__(kHistogramThreads)
 }
 
 __global__ void __launch_bounds__(kScanThreads)
-    moe_align_offsets(int64_t num_chunks, int num_experts, int block_m, int pad,
-                      int64_t max_padded, int32_t* __restrict__ chunk_counts,
-                      int32_t* __restrict__ expert_ids,
+    moe_align_offsets(int64_t num_chunks, int num_experts, int block_m, int pad, int64_t max_padded,
+                      int32_t* __restrict__ chunk_counts, int32_t* __restrict__ expert_ids,
                       int32_t* __restrict__ num_tokens_post_padded) {
   using Scan = cub::BlockScan<int32_t, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
@@ -117,9 +116,9 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
 }  // namespace
 
 cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num_experts,
-                             int block_m, int bpc, int32_t* sorted_token_ids,
-                             int32_t* expert_ids, int32_t* num_tokens_post_padded,
-                             int64_t max_padded, int32_t* workspace, cudaStream_t stream) {
+                             int block_m, int bpc, int32_t* sorted_token_ids, int32_t* expert_ids,
+                             int32_t* num_tokens_post_padded, int64_t max_padded,
+                             int32_t* workspace, cudaStream_t stream) {
   const int pad = block_m * bpc;
   const int64_t num_chunks = moe_align_num_chunks(num_pairs);
   // -1 everywhere first: padding rows and the tail past the padded total stay -1.
@@ -127,8 +126,8 @@ cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num
       cudaMemsetAsync(sorted_token_ids, 0xff, max_padded * sizeof(int32_t), stream);
   if (status != cudaSuccess) return status;
   if (num_chunks > 0) {
-    moe_align_histogram<<<num_chunks, kHistogramThreads, num_experts * sizeof(int32_t),
-                          stream>>>(topk_ids, num_pairs, num_experts, workspace);
+    moe_align_histogram<<<num_chunks, kHistogramThreads, num_experts * sizeof(int32_t), stream>>>(
+        topk_ids, num_pairs, num_experts, workspace);
     if ((status = cudaGetLastError()) != cudaSuccess) return status;
   }
   moe_align_offsets<<<1, kScanThreads, 0, stream>>>(num_chunks, num_experts, block_m, pad,

@@ -31,8 +31,8 @@ inline size_t moe_align_workspace_bytes(int64_t num_pairs, int64_t num_experts) 
 // Writes sorted_token_ids (max_padded), expert_ids (max_padded / block_m; -1 past the
 // padded total) and num_tokens_post_padded (1). No host synchronization.
 cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num_experts,
-                             int block_m, int bpc, int32_t* sorted_token_ids,
-                             int32_t* expert_ids, int32_t* num_tokens_post_padded,
-                             int64_t max_padded, int32_t* workspace, cudaStream_t stream);
+                             int block_m, int bpc, int32_t* sorted_token_ids, int32_t* expert_ids,
+                             int32_t* num_tokens_post_padded, int64_t max_padded,
+                             int32_t* workspace, cudaStream_t stream);
 
 }  // namespace prime_moe
