@@ -1,0 +1,361 @@
+"""The MoE implementations benchmarks/flash_moe.py times, behind one interface.
+
+Every implementation computes, from x (T, D) bf16, w (E, 2H, D) bf16 (rows [0, H) gate,
+[H, 2H) up), w2 (E, D, H) bf16, topk_ids (T, k) int32 and topk_weights (T, k) fp32::
+
+    out[t] = sum_j topk_weights[t, j] * (silu(x_t gate_e^T) * (x_t up_e^T)) w2_e^T
+
+``prepare(w, w2)`` converts weights into the implementation's layout once per config
+(outside any timed region); ``forward(state, x, ids, wts)`` returns a zero-argument
+callable whose every call is one whole forward as a user pays it; ``forward_backward(...,
+grad_out)`` likewise returns a callable that runs forward and backward and returns the
+gradients (dx, dw, dw2) in our layouts (autograd w.r.t. fresh leaf copies of x, w, w2).
+``Skip`` carries the one-line reason an implementation cannot run.
+
+Peers (wheels from scripts/fetch-peer-wheels, installed into PYTHONPATH):
+
+- Liger-Kernel 0.8.5, ``liger_kernel.ops.fused_moe.LigerFusedMoEFunction.apply(x,
+  gate_up_proj (E, 2I, D), down_proj (E, D, I), top_k_index int32 (T, k), top_k_weights
+  (T, k))``: Triton; our layout exactly (gate rows first), so no conversion. Its kernels
+  autotune (32 configs, keyed on D and I) unless ``LIGER_FUSED_MOE_AUTOTUNE=0`` is set
+  before the import; the benchmark sets it unless asked to tune peers.
+- SonicMoE 0.1.2.post1, ``sonicmoe.moe_general_routing_inputs(x, router_scores (TK,)
+  fp32, token_indices (TK,) int32 sorted, expert_indices (TK,) int32, w1 (2I, D, E), b1,
+  w2 (D, I, E), b2, E, stream_id, ActivationType.SWIGLU, is_inference_mode_enabled,
+  concat_layout)`` returns ``(out, expert_frequency)``. w1/w2 are our tensors permuted
+  (1, 2, 0) (views, no copy); ``concat_layout=True`` means gate rows then up rows, as ours;
+  without it SonicMoE expects gate/up rows interleaved. Its GEMMs are QuACK's CuTe-DSL
+  grouped GEMMs, autotuned per shape unless we pass ``tuned=False`` (the benchmark does,
+  unless asked to tune peers).
+- vLLM's Triton fused_moe: not runnable here (see ``VLLM_REASON``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import site
+
+VLLM_REASON = (
+    "vLLM's Triton fused_moe cannot be carried: vllm 0.33.0's wheel alone is 336 MB "
+    "(321 MiB, 837 MB unpacked) against the 64 MiB a device call carries, it pins "
+    "torch==2.14.0 (the image has 2.11.0), and vllm/model_executor/layers/fused_moe/"
+    "fused_moe.py imports vllm._custom_ops (the compiled _C / _moe_C extensions, 93 + 46 MB), "
+    "vllm.envs, vllm.platforms and the rest of the package at import time, so the kernel "
+    "does not import standalone"
+)
+
+
+class Skip(Exception):
+    """An implementation cannot run here; str() is the one-line reason."""
+
+
+def activate_pth_files() -> None:
+    """Runs the .pth files of PYTHONPATH entries, which Python does only for site dirs.
+
+    ``pip install --target /tmp/site`` + ``PYTHONPATH=/tmp/site`` leaves
+    nvidia_cutlass_dsl.pth unprocessed; it is what puts the ``cutlass`` package
+    (/tmp/site/nvidia_cutlass_dsl/python_packages) on sys.path."""
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and os.path.isdir(entry):
+            try:
+                if any(name.endswith(".pth") for name in os.listdir(entry)):
+                    site.addsitedir(entry)
+            except OSError:
+                pass
+
+
+def dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def peer_versions() -> dict[str, str | None]:
+    names = (
+        "liger-kernel",
+        "sonic-moe",
+        "quack-kernels",
+        "nvidia-cutlass-dsl",
+        "nvidia-cutlass-dsl-libs-base",
+        "apache-tvm-ffi",
+        "triton",
+        "torch",
+    )
+    return {name: dist_version(name) for name in names}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+class Impl:
+    name = "?"
+    kind = "peer"  # "ours", "baseline" or "peer"
+    note = ""
+
+    def prepare(self, w, w2):
+        return (w, w2)
+
+    def forward(self, state, x, topk_ids, topk_weights):
+        raise NotImplementedError
+
+    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
+        raise Skip(f"{self.name} has no backward here")
+
+
+def _leaves(x, w, w2):
+    return tuple(t.detach().clone().requires_grad_(True) for t in (x, w, w2))
+
+
+class GroupedMM(Impl):
+    """prime_kernels.flash_moe.reference.moe_grouped_mm: torch._grouped_mm expert path."""
+
+    name = "grouped-mm"
+    kind = "baseline"
+
+    def __init__(self):
+        from prime_kernels.flash_moe import reference
+
+        self.reference = reference
+
+    def forward(self, state, x, topk_ids, topk_weights):
+        import torch
+
+        w, w2 = state
+        ref = self.reference.moe_grouped_mm
+
+        def fn():
+            with torch.no_grad():
+                return ref(x, w, w2, topk_ids, topk_weights)
+
+        return fn
+
+    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
+        import torch
+
+        leaves = _leaves(x, w, w2)
+        ref = self.reference.moe_grouped_mm
+
+        def fn():
+            out = ref(*leaves, topk_ids, topk_weights)
+            return torch.autograd.grad(out, leaves, grad_out)
+
+        return fn
+
+
+class Ours(Impl):
+    """prime_kernels' flash_moe: moe_align + fused_moe_bf16 (the whole forward)."""
+
+    kind = "ours"
+
+    def __init__(self, fm, split: bool):
+        self.fm = fm
+        self.split = split
+        self.name = f"ours split={split}"
+
+    def prepare(self, w, w2):
+        reason_fn = getattr(self.fm, "unsupported_shape_reason", None)
+        if reason_fn is not None:
+            E, two_h, D = w.shape
+            try:
+                reason = reason_fn(D, two_h // 2, split=self.split)
+            except TypeError:
+                reason = reason_fn(D, two_h // 2)
+            if reason:
+                raise Skip(reason)
+        return (w, w2)
+
+    def forward(self, state, x, topk_ids, topk_weights):
+        import torch
+
+        fm, split = self.fm, self.split
+        w, w2 = state
+        E, k = w.shape[0], topk_ids.shape[1]
+        T, D = x.shape
+        block_m = fm.BLOCK_M
+
+        def fn():
+            sorted_ids, expert_ids, ntpp = fm.moe_align(topk_ids, E, block_m=block_m)
+            if split:
+                out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+            else:
+                out = torch.zeros(T, D, dtype=x.dtype, device=x.device)
+            return fm.fused_moe_bf16(
+                x, w, w2, sorted_ids, expert_ids, ntpp, topk_weights, out, k, split=split
+            )
+
+        return fn
+
+    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
+        import torch
+
+        moe = getattr(self.fm, "moe", None)
+        if moe is None:
+            raise Skip("prime_kernels.flash_moe has no moe() (autograd function) yet")
+        leaves = _leaves(x, w, w2)
+
+        def fn():
+            out = moe(*leaves, topk_ids, topk_weights)
+            return torch.autograd.grad(out, leaves, grad_out)
+
+        return fn
+
+
+class Liger(Impl):
+    name = "liger"
+
+    def __init__(self):
+        try:
+            from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+        except Exception as exc:  # ImportError and whatever its imports raise
+            raise Skip(f"liger-kernel not importable ({_first_line(exc)})") from None
+        self.fn = LigerFusedMoEFunction
+        import liger_kernel.ops.fused_moe_kernels as kernels
+
+        tuned = not getattr(kernels, "_AUTOTUNE_DISABLED", False)
+        self.note = (
+            f"liger-kernel {dist_version('liger-kernel')}, autotune {'on' if tuned else 'off'}"
+        )
+
+    def forward(self, state, x, topk_ids, topk_weights):
+        import torch
+
+        w, w2 = state
+        apply = self.fn.apply
+
+        def fn():
+            with torch.no_grad():
+                return apply(x, w, w2, topk_ids, topk_weights)
+
+        return fn
+
+    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
+        import torch
+
+        leaves = _leaves(x, w, w2)
+        apply = self.fn.apply
+
+        def fn():
+            out = apply(*leaves, topk_ids, topk_weights)
+            return torch.autograd.grad(out, leaves, grad_out)
+
+        return fn
+
+
+def _interleave_gate_up(w):
+    """(E, 2H, D) [gate; up] -> (E, 2H, D) with rows gate_0, up_0, gate_1, up_1, ..."""
+    E, two_h, D = w.shape
+    h = two_h // 2
+    return w.view(E, 2, h, D).transpose(1, 2).reshape(E, two_h, D).contiguous()
+
+
+class Sonic(Impl):
+    name = "sonicmoe"
+
+    def __init__(self, tuned: bool):
+        activate_pth_files()
+        try:
+            import sonicmoe
+            import sonicmoe.functional as functional
+            from sonicmoe.enums import ActivationType
+        except Exception as exc:
+            raise Skip(f"sonic-moe not importable ({_first_line(exc)})") from None
+        self.general = sonicmoe.moe_general_routing_inputs
+        self.swiglu = ActivationType.SWIGLU
+        self.tuned = tuned
+        if not tuned:
+            # QuACK's gemm/gemm_gated/gemm_dgated autotune per shape (tuned=True default);
+            # pin them to QuACK's default config instead, in every module that imported them.
+            import importlib
+
+            for mod_name in (
+                "sonicmoe.functional",
+                "sonicmoe.functional.forward",
+                "sonicmoe.functional.backward",
+            ):
+                try:
+                    mod = importlib.import_module(mod_name)
+                except ImportError:
+                    continue
+                for fn_name in ("gemm", "gemm_gated", "gemm_dgated"):
+                    fn = getattr(mod, fn_name, None)
+                    if fn is not None and not isinstance(fn, functools.partial):
+                        setattr(mod, fn_name, functools.partial(fn, tuned=False))
+        del functional
+        self.concat = True  # set False by the caller if concat_layout proves wrong
+        self.inference = True  # set False if is_inference_mode_enabled=True fails
+        versions = ", ".join(
+            f"{n} {dist_version(n)}" for n in ("sonic-moe", "quack-kernels", "nvidia-cutlass-dsl")
+        )
+        self.note = f"{versions}, autotune {'on' if tuned else 'off'}"
+
+    def prepare(self, w, w2):
+        # (2H, D, E): a view of ours (gate rows then up rows), or an interleaved copy
+        w1 = (w if self.concat else _interleave_gate_up(w)).permute(1, 2, 0)
+        return (w1, w2.permute(1, 2, 0))  # w2 (D, H, E) view
+
+    def _routing(self, x, topk_ids, topk_weights):
+        import torch
+
+        T, k = topk_ids.shape
+        token = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(k)
+        return (
+            topk_weights.reshape(-1).to(torch.float32).contiguous(),
+            token,
+            topk_ids.reshape(-1).to(torch.int32).contiguous(),
+        )
+
+    def _call(self, x, scores, token, expert, w1, w2, inference):
+        import torch
+
+        E = w2.shape[-1]
+        stream = torch.cuda.current_stream().cuda_stream
+        out, _ = self.general(
+            x,
+            scores,
+            token,
+            expert,
+            w1,
+            None,
+            w2,
+            None,
+            E,
+            stream,
+            self.swiglu,
+            is_inference_mode_enabled=inference,
+            concat_layout=self.concat,
+        )
+        return out
+
+    def forward(self, state, x, topk_ids, topk_weights):
+        import torch
+
+        w1, w2 = state
+        scores, token, expert = self._routing(x, topk_ids, topk_weights)
+        call = self._call
+
+        def fn():
+            with torch.no_grad():
+                return call(x, scores, token, expert, w1, w2, self.inference)
+
+        return fn
+
+    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
+        import torch
+
+        if not self.concat:
+            raise Skip("sonicmoe backward is only set up for concat_layout=True")
+        leaves = _leaves(x, w, w2)
+        scores, token, expert = self._routing(x, topk_ids, topk_weights)
+        call = self._call
+
+        def fn():
+            lx, lw, lw2 = leaves
+            out = call(lx, scores, token, expert, lw.permute(1, 2, 0), lw2.permute(1, 2, 0), False)
+            return torch.autograd.grad(out, leaves, grad_out)
+
+        return fn

@@ -1,0 +1,63 @@
+// Deterministic combine of the split path: out[t] = bf16(sum_{j=0..k-1} w[t*k+j] *
+// y[row of pair t*k+j]) in fp32, in order j = 0..k-1; a pair with no row (dropped, or in
+// a skipped block) adds nothing, so a token with every pair dropped gets 0. Memory-bound:
+// 16-byte loads and stores, one CTA per token.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace prime_moe {
+
+struct CombineParams {
+  const __nv_bfloat16* y;      // (max_padded, D)
+  const int32_t* pair_to_row;  // (T * k,) row or -1
+  const float* topk_weights;   // (T * k,)
+  __nv_bfloat16* out;          // (T, D)
+  int dim, top_k;
+};
+
+constexpr int kCombineThreads = 128;
+
+// Pairs are taken 8 at a time so that their 16-byte loads are all in flight together
+// (a load per pair behind a data-dependent branch would serialize on DRAM latency); the
+// sum still runs in order j = 0..k-1.
+constexpr int kCombinePairsInFlight = 8;
+
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const CombineParams p) {
+  const int token = blockIdx.x;
+  const int pair0 = token * p.top_k;
+  for (int c = threadIdx.x * 8; c < p.dim; c += kCombineThreads * 8) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j0 = 0; j0 < p.top_k; j0 += kCombinePairsInFlight) {
+      int row[kCombinePairsInFlight];
+      uint4 v[kCombinePairsInFlight];
+#pragma unroll
+      for (int u = 0; u < kCombinePairsInFlight; ++u) {
+        row[u] = j0 + u < p.top_k ? p.pair_to_row[pair0 + j0 + u] : -1;
+        v[u] = row[u] >= 0 ? *reinterpret_cast<const uint4*>(p.y + size_t(row[u]) * p.dim + c)
+                           : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kCombinePairsInFlight; ++u) {
+        if (row[u] < 0) continue;  // dropped: adds nothing
+        const float w = p.topk_weights[pair0 + j0 + u];
+        const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(v2[e]);
+          acc[2 * e] += w * f.x;
+          acc[2 * e + 1] += w * f.y;
+        }
+      }
+    }
+    uint4 o;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o2[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+    *reinterpret_cast<uint4*>(p.out + size_t(token) * p.dim + c) = o;
+  }
+}
+
+}  // namespace prime_moe

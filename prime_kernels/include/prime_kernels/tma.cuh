@@ -1,0 +1,59 @@
+// TMA (cp.async.bulk.tensor) helpers for sm_90: host-side 2D tensor-map encoding through
+// the runtime's driver entry point (so nothing links -lcuda), and the device-side load.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums only; no driver symbols are linked
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace prime_kernels {
+
+// Encodes a row-major 2D bf16 matrix (rows x cols, row stride = cols elements) as a tensor
+// map with boxes of box_rows x 64 elements (64 bf16 = 128 bytes, the widest box the
+// 128-byte swizzle allows) and the 128-byte swizzle that the wgmma descriptors expect.
+// Out-of-bounds box rows are filled with zeros.
+inline cudaError_t make_tma_2d_bf16_sw128(CUtensorMap* map, const void* base, uint64_t rows,
+                                          uint64_t cols, uint32_t box_rows) {
+  using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  // Resolved once (thread-safe static init); 12000 is the ABI of cuTensorMapEncodeTiled as
+  // introduced in CUDA 12.0.
+  static const EncodeFn encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
+                                                             12000, cudaEnableDefault, &status);
+    const bool ok = err == cudaSuccess && status == cudaDriverEntryPointSuccess;
+    return ok ? reinterpret_cast<EncodeFn>(fn) : nullptr;
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols * 2};  // bytes between rows
+  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base),
+                              dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Loads the box at (col, row) of `map` into shared memory at dst (1024-byte aligned for
+// the 128-byte swizzle); completion is signalled on `bar` as transaction bytes.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int col, int row) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(row)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+}  // namespace prime_kernels
