@@ -39,11 +39,8 @@ size_t stage_bytes(int block_m, int block_n) {
   return size_t(block_m) * 64 * 2 + size_t(2 * block_n) * 64 * 2;
 }
 
-// Mirrors MoeGemmConfig::smem_bytes: alignment slack, the ring, its barriers, the
-// epilogue staging.
 size_t smem_bytes(int block_m, int block_n, int stages) {
-  return 1024 + size_t(stages) * stage_bytes(block_m, block_n) + 2 * size_t(stages) * 8 +
-         kEpilogueScratchBytes;
+  return 1024 + size_t(stages) * stage_bytes(block_m, block_n) + 2 * size_t(stages) * 8;
 }
 
 int max_stages(int block_m, int block_n) {

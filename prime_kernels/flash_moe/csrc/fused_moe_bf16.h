@@ -16,14 +16,14 @@ namespace prime_moe {
 // k = top_k. Row r of the padded, expert-sorted order holds pair sorted_token_ids[r]
 // (token = pair / k) or -1 on padding; block b = r / block_m belongs to expert_ids[b].
 struct FusedMoeBf16Problem {
-  const __nv_bfloat16* x;                  // (T, D)
-  const __nv_bfloat16* w;                  // (E, 2H, D): rows [0, H) gate, [H, 2H) up
-  const __nv_bfloat16* w2;                 // (E, D, H)
-  const int32_t* sorted_token_ids;         // (max_padded,)
-  const int32_t* expert_ids;               // (max_padded / block_m,)
-  const int32_t* num_tokens_post_padded;   // (1,), device memory: never read on the host
-  const float* topk_weights;               // (T * k,)
-  __nv_bfloat16* out;                      // (T, D)
+  const __nv_bfloat16* x;                 // (T, D)
+  const __nv_bfloat16* w;                 // (E, 2H, D): rows [0, H) gate, [H, 2H) up
+  const __nv_bfloat16* w2;                // (E, D, H)
+  const int32_t* sorted_token_ids;        // (max_padded,)
+  const int32_t* expert_ids;              // (max_padded / block_m,)
+  const int32_t* num_tokens_post_padded;  // (1,), device memory: never read on the host
+  const float* topk_weights;              // (T * k,)
+  __nv_bfloat16* out;                     // (T, D)
   int64_t num_tokens, dim, hidden_dim, num_experts, top_k, max_padded, block_m;
 };
 

@@ -17,12 +17,18 @@ struct DownStore {
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
                                                const float (&acc)[kMmas][kRegs], int row0,
-                                               int col0, uint8_t* scratch) {
-    auto to_bf16 = [&](int i, int j) {
-      return __floats2bfloat162_rn(acc_at(acc, 4 * j + 2 * i), acc_at(acc, 4 * j + 2 * i + 1));
-    };
-    store_warp_rows_bf16<kMmas * kRegs / 4>(p.out, p.ld_out, row0 + acc_warp_row(),
-                                            col0, p.n_dim, scratch, to_bf16);
+                                               int col0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      __nv_bfloat16* dst = p.out + size_t(row0 + acc_row(i)) * p.ld_out;
+#pragma unroll
+      for (int j = 0; j < kMmas * kRegs / 4; ++j) {
+        const int col = col0 + acc_col(j);
+        if (col >= p.n_dim) continue;  // partial last n tile (D % block_n != 0)
+        *reinterpret_cast<__nv_bfloat162*>(dst + col) =
+            __floats2bfloat162_rn(acc_at(acc, 4 * j + 2 * i), acc_at(acc, 4 * j + 2 * i + 1));
+      }
+    }
   }
 };
 
@@ -33,7 +39,7 @@ struct DownAtomic {
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int npp,
                                                const float (&acc)[kMmas][kRegs], int row0,
-                                               int col0, uint8_t* /*scratch*/) {
+                                               int col0) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int pair = routed_pair(p, npp, row0 + acc_row(i));

@@ -16,17 +16,23 @@ struct GateUpSwiglu {
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
                                                const float (&acc)[kMmas][kRegs], int row0,
-                                               int col0, uint8_t* scratch) {
+                                               int col0) {
     constexpr int kHalf = kMmas * kRegs / 2;  // flat offset of the up columns
-    auto swiglu = [&](int i, int j) {
-      const float g0 = acc_at(acc, 4 * j + 2 * i), g1 = acc_at(acc, 4 * j + 2 * i + 1);
-      const float u0 = acc_at(acc, kHalf + 4 * j + 2 * i);
-      const float u1 = acc_at(acc, kHalf + 4 * j + 2 * i + 1);
-      return __floats2bfloat162_rn(g0 / (1.0f + __expf(-g0)) * u0,
-                                   g1 / (1.0f + __expf(-g1)) * u1);
-    };
-    store_warp_rows_bf16<kHalf / 4>(p.out, p.ld_out, row0 + acc_warp_row(), col0,
-                                    p.n_dim, scratch, swiglu);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      __nv_bfloat16* dst = p.out + size_t(row0 + acc_row(i)) * p.ld_out;
+#pragma unroll
+      for (int j = 0; j < kHalf / 4; ++j) {
+        const int col = col0 + acc_col(j);
+        if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
+        const float g0 = acc_at(acc, 4 * j + 2 * i), g1 = acc_at(acc, 4 * j + 2 * i + 1);
+        const float u0 = acc_at(acc, kHalf + 4 * j + 2 * i);
+        const float u1 = acc_at(acc, kHalf + 4 * j + 2 * i + 1);
+        const float h0 = g0 / (1.0f + __expf(-g0)) * u0;
+        const float h1 = g1 / (1.0f + __expf(-g1)) * u1;
+        *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
+      }
+    }
   }
 };
 

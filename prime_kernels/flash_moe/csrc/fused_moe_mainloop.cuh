@@ -4,8 +4,7 @@
 //                    workspace), or a cp.async gather of the block's token rows with the
 //                    128-byte swizzle applied by hand (Hopper's TMA has no row gather);
 //   warpgroups 1, 2  consumers: wgmma m64nNk16 from shared memory into fp32 registers,
-//                    then the variant's epilogue (bf16 stores staged per warp through
-//                    shared memory, or atomics straight from registers).
+//                    then the variant's epilogue straight from registers to global.
 // They talk through a ring of `stages` shared-memory stages guarded by full/empty
 // mbarriers. A stage holds one 64-wide K slice: A (block_m x 64) and kNumB weight tiles
 // (block_n x 64 each: gate and up for the first GEMM, one w2 tile for the second).
@@ -41,40 +40,16 @@ struct MoeGemmParams {
 };
 
 // Rows routed to a pair: row < npp and 0 <= id < T*k; anything else (padding, garbage)
-// loads zeros and is neither scattered nor added. Split in two so that the load can be
-// issued a tile ahead of the check.
-__device__ __forceinline__ int raw_pair(const MoeGemmParams& p, int npp, int row) {
-  return row < npp ? p.sorted_token_ids[row] : -1;
-}
-__device__ __forceinline__ int checked_pair(const MoeGemmParams& p, int raw) {
-  return (raw >= 0 && raw < p.num_pairs) ? raw : -1;
-}
+// loads zeros and is neither scattered nor added.
 __device__ __forceinline__ int routed_pair(const MoeGemmParams& p, int npp, int row) {
-  return checked_pair(p, raw_pair(p, npp, row));
+  const int pair = row < npp ? p.sorted_token_ids[row] : -1;
+  return (pair >= 0 && pair < p.num_pairs) ? pair : -1;
 }
-
-// A tile and its expert. Both roles fetch the next tile's routing while the current one
-// runs: at a tile start the expert id and the sorted ids are two dependent L2 round trips,
-// with the tensor cores idle.
-struct TileWork {
-  int block, n_tile, expert;
-};
-__device__ __forceinline__ TileWork fetch_tile(const MoeGemmParams& p,
-                                               const MoeTileScheduler& sched, int t) {
-  TileWork w{0, 0, -1};
-  if (t < sched.num_tiles()) {
-    sched.tile(t, w.block, w.n_tile);
-    w.expert = p.expert_ids[w.block];
-  }
-  return w;
-}
-
 // Accumulator element (i, j, c) of WgmmaBf16's layout: row and column inside the
 // warpgroup's 64 x N tile, for the calling thread.
 __device__ __forceinline__ int acc_row(int i) {
   return ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4 + 8 * i;
 }
-__device__ __forceinline__ int acc_warp_row() { return ((threadIdx.x / 32) % 4) * 16; }
 __device__ __forceinline__ int acc_col(int j) { return 8 * j + 2 * (threadIdx.x % 4); }
 
 // Element f of the accumulators read as one flat array (f is a compile-time constant
@@ -95,55 +70,6 @@ __device__ __forceinline__ bool warpgroup_any(bool pred, int id) {
       : "r"(uint32_t(pred)), "r"(id)
       : "memory");
   return any != 0;
-}
-
-// Epilogue staging: each consumer warp owns 16 output rows and writes them 64 columns at a
-// time through 2 KB of shared memory, so that its global stores are 16 bytes per thread
-// and whole 128-byte lines instead of 4-byte pieces of 8 rows.
-constexpr int kEpilogueWarpScratchBytes = 16 * 128;
-constexpr int kEpilogueScratchBytes = 8 * kEpilogueWarpScratchBytes;
-
-// Stores the calling warp's 16 x (8 * kGroups) bf16 results, pair_at(i, j) being the
-// bf16x2 of accumulator element (i, j, 0..1), to rows row0 + [0, 16) and columns
-// col0 + [0, 8 * kGroups) of dst (columns at or past n_dim are dropped, whole 64-column
-// chunks at a time since n_dim is a multiple of 64).
-template <int kGroups, class PairAt>
-__device__ __forceinline__ void store_warp_rows_bf16(__nv_bfloat16* dst, int ld, int row0,
-                                                     int col0, int n_dim, uint8_t* scratch,
-                                                     PairAt pair_at) {
-  constexpr int kChunk = kGroups < 8 ? kGroups : 8;  // 16-byte column groups per chunk
-  constexpr int kRowsPerRead = 32 / kChunk;
-  const int lane = threadIdx.x % 32;
-  const uint32_t base = prime_kernels::smem_addr(scratch);
-#pragma unroll
-  for (int c0 = 0; c0 < kGroups; c0 += kChunk) {
-    if (col0 + 8 * c0 >= n_dim) break;
-    // Row r's 16-byte group g sits at g ^ (r % 8): conflict-free both ways.
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = lane / 4 + 8 * i;
-#pragma unroll
-      for (int g = 0; g < kChunk; ++g) {
-        const __nv_bfloat162 v = pair_at(i, c0 + g);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(base + r * 128 + ((g ^ (r & 7)) << 4) +
-                                                       4 * (lane % 4)),
-                     "r"(*reinterpret_cast<const uint32_t*>(&v))
-                     : "memory");
-      }
-    }
-    __syncwarp();
-#pragma unroll
-    for (int it = 0; it < 16 / kRowsPerRead; ++it) {
-      const int r = it * kRowsPerRead + lane / kChunk, g = lane % kChunk;
-      uint4 v;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                   : "r"(base + r * 128 + ((g ^ (r & 7)) << 4))
-                   : "memory");
-      *reinterpret_cast<uint4*>(dst + size_t(row0 + r) * ld + col0 + 8 * (c0 + g)) = v;
-    }
-    __syncwarp();
-  }
 }
 
 template <int kBlockM_, int kBlockN_, class Variant>
@@ -171,11 +97,10 @@ struct MoeGemmConfig {
   static constexpr int kTmaBytes = kBBytes + (kGatherA ? 0 : kABytes);
   // Gather: 8 threads per 128-byte row (one 16-byte chunk each), 16 rows per pass.
   static constexpr int kGatherRowsPerThread = kBlockM / 16;
-  // Register split (sm_90a setmaxnreg): 128 * (56 + 2 * 224) = 64512 <= 65536. The
-  // consumers hold up to 128 fp32 accumulators (ptxas fits them in 168); the gathering
-  // producer holds two tiles' worth of row ids (current + prefetched).
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
+  // Register split (sm_90a setmaxnreg): 128 * (40 + 2 * 232) = 64512 <= 65536. The
+  // consumers hold up to 128 fp32 accumulators each (two 64x128 or one 64x256 tile).
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
 
   static_assert(kBlockM == 64 || kBlockM == 128, "block_m is 64 or 128");
   static_assert(kMmaN == 32 || kMmaN == 64 || kMmaN == 128 || kMmaN == 256,
@@ -187,8 +112,7 @@ struct MoeGemmConfig {
                 "accumulators must fit the consumer register budget");
 
   static constexpr size_t smem_bytes(int stages) {
-    return 1024 /* alignment slack */ + size_t(stages) * kStageBytes + 2 * stages * 8 +
-           kEpilogueScratchBytes;
+    return 1024 /* alignment slack */ + size_t(stages) * kStageBytes + 2 * stages * 8;
   }
 };
 
@@ -205,7 +129,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint8_t* smem_b = smem + size_t(stages) * Cfg::kABytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem_b + size_t(stages) * Cfg::kBBytes);
   uint64_t* empty = full + stages;
-  uint8_t* epilogue_scratch = reinterpret_cast<uint8_t*>(empty + stages);
 
   const int warpgroup = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
@@ -236,26 +159,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t a_thread_offset = pass_row * 128 + ((chunk ^ (pass_row & 7)) << 4);
     int stage = 0;
     uint32_t phase = 0;
-    int next_raw[Cfg::kGatherRowsPerThread];
-    auto prefetch_rows = [&](const TileWork& w) {
-      if constexpr (Cfg::kGatherA) {
-#pragma unroll
-        for (int i = 0; i < Cfg::kGatherRowsPerThread; ++i)
-          next_raw[i] = raw_pair(p, sched.npp, w.block * Cfg::kBlockM + pass_row + 16 * i);
-      }
-    };
-    TileWork next = fetch_tile(p, sched, blockIdx.x);
-    prefetch_rows(next);
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const TileWork cur = next;
-      int cur_raw[Cfg::kGatherRowsPerThread];
-#pragma unroll
-      for (int i = 0; i < Cfg::kGatherRowsPerThread; ++i) cur_raw[i] = next_raw[i];
-      next = fetch_tile(p, sched, t + gridDim.x);
-      prefetch_rows(next);
-      if (cur.expert < 0 || cur.expert >= p.num_experts) continue;
-      const int block = cur.block, n_tile = cur.n_tile;
-      const int b_row = cur.expert * p.b_rows_per_expert + n_tile * Cfg::kBlockN;
+      int block, n_tile;
+      sched.tile(t, block, n_tile);
+      const int expert = p.expert_ids[block];
+      if (expert < 0 || expert >= p.num_experts) continue;
+      const int b_row = expert * p.b_rows_per_expert + n_tile * Cfg::kBlockN;
 
       // The thread's gathered rows, as 16-byte-chunk offsets into x (uint32: T*D < 2^35).
       uint32_t src_chunk[Cfg::kGatherRowsPerThread];
@@ -264,7 +173,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < Cfg::kGatherRowsPerThread; ++i) {
           const int row = block * Cfg::kBlockM + pass_row + 16 * i;
-          const int pair = checked_pair(p, cur_raw[i]);
+          const int pair = routed_pair(p, sched.npp, row);
           const uint32_t token = pair >= 0 ? uint32_t(pair / p.top_k) : 0u;
           src_chunk[i] = token * uint32_t(p.k_dim / 8) + chunk;
           valid_mask |= uint32_t(pair >= 0) << i;
@@ -308,20 +217,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float acc[Cfg::kNumMma][Mma::kAccRegs];
     int stage = 0;
     uint32_t phase = 0;
-    TileWork next = fetch_tile(p, sched, blockIdx.x);
-    int next_raw = raw_pair(p, sched.npp, next.block * Cfg::kBlockM + m_offset + tid % 64);
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const TileWork cur = next;
-      const int cur_raw = next_raw;
-      next = fetch_tile(p, sched, t + gridDim.x);
-      next_raw = raw_pair(p, sched.npp, next.block * Cfg::kBlockM + m_offset + tid % 64);
-      if (cur.expert < 0 || cur.expert >= p.num_experts) continue;
-      const int block = cur.block, n_tile = cur.n_tile;
+      int block, n_tile;
+      sched.tile(t, block, n_tile);
+      const int expert = p.expert_ids[block];
+      if (expert < 0 || expert >= p.num_experts) continue;
       // A 64-row half with no routed row (the padded tail of an expert's segment: most
       // rows at decode sizes) only passes its stages through: no wgmma, no stores. Its
       // h / y rows are then left unwritten, which is fine: nothing reads padding results.
       const int first_row = block * Cfg::kBlockM + m_offset;
-      if (!warpgroup_any(checked_pair(p, cur_raw) >= 0, 1 + consumer)) {
+      if (!warpgroup_any(routed_pair(p, sched.npp, first_row + tid % 64) >= 0, 1 + consumer)) {
         for (int kb = 0; kb < num_k_blocks; ++kb) {
           mbarrier_wait(&full[stage], phase);
           mbarrier_arrive(&empty[stage]);
@@ -359,8 +264,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int b = 0; b < Cfg::kNumMma; ++b) wgmma_fence_operands(acc[b]);
       mbarrier_arrive(&empty[prev_stage]);
-      Variant::store(p, sched.npp, acc, first_row, n_tile * Cfg::kBlockN + n_offset,
-                     epilogue_scratch + (threadIdx.x / 32 - 4) * kEpilogueWarpScratchBytes);
+      Variant::store(p, sched.npp, acc, first_row, n_tile * Cfg::kBlockN + n_offset);
     }
   }
 }

@@ -20,8 +20,8 @@ struct MoeTileScheduler {
   int num_blocks;   // blocks of block_m rows holding rows below npp
   int num_n_tiles;  // ceil(n_dim / block_n)
 
-  __device__ MoeTileScheduler(const int32_t* num_tokens_post_padded, int max_padded,
-                              int block_m, int n_dim, int block_n) {
+  __device__ MoeTileScheduler(const int32_t* num_tokens_post_padded, int max_padded, int block_m,
+                              int n_dim, int block_n) {
     const int raw = *num_tokens_post_padded;
     npp = raw < 0 ? 0 : (raw > max_padded ? max_padded : raw);
     num_blocks = (npp + block_m - 1) / block_m;

@@ -15,17 +15,17 @@ namespace prime_kernels {
 // Out-of-bounds box rows are filled with zeros.
 inline cudaError_t make_tma_2d_bf16_sw128(CUtensorMap* map, const void* base, uint64_t rows,
                                           uint64_t cols, uint32_t box_rows) {
-  using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  using EncodeFn =
+      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
   // Resolved once (thread-safe static init); 12000 is the ABI of cuTensorMapEncodeTiled as
   // introduced in CUDA 12.0.
   static const EncodeFn encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status;
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
-                                                             12000, cudaEnableDefault, &status);
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                             cudaEnableDefault, &status);
     const bool ok = err == cudaSuccess && status == cudaDriverEntryPointSuccess;
     return ok ? reinterpret_cast<EncodeFn>(fn) : nullptr;
   }();
@@ -34,10 +34,10 @@ inline cudaError_t make_tma_2d_bf16_sw128(CUtensorMap* map, const void* base, ui
   const cuuint64_t strides[1] = {cols * 2};  // bytes between rows
   const cuuint32_t box[2] = {64, box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base),
-                              dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult res =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
