@@ -24,7 +24,9 @@ constexpr int kMinStages = 2;
 // Past 8 stages (8 x 32 KB at block_n = 64) the ring already covers DRAM latency.
 constexpr int kMaxStages = 8;
 
-size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+size_t align256(size_t bytes) {
+  return (bytes + 255) & ~size_t(255);
+}
 
 int device_attribute(cudaDeviceAttr attr) {
   int device = 0, value = 0;
@@ -85,8 +87,8 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   // Persistent: one CTA per SM (or fewer when even the padded maximum has fewer tiles).
-  const int64_t max_tiles = int64_t(params.max_padded / kBlockM) *
-                            ((params.n_dim + kBlockN - 1) / kBlockN);
+  const int64_t max_tiles =
+      int64_t(params.max_padded / kBlockM) * ((params.n_dim + kBlockN - 1) / kBlockN);
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tiles)));
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(tmap_a, tmap_b, params);
   return cudaGetLastError();
@@ -109,7 +111,9 @@ cudaError_t dispatch_gemm(int block_m, int block_n, const CUtensorMap& tmap_a,
   return cudaErrorInvalidValue;  // unreachable after check_fused_moe_bf16
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+bool aligned16(const void* ptr) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
+}
 
 }  // namespace
 
@@ -124,13 +128,13 @@ FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& prob
     // weight-bandwidth-bound): more CTAs streaming weights. Real blocks are at most one
     // partial block per routed expert plus T*k / block_m full ones.
     const int64_t pairs = problem.num_tokens * problem.top_k;
-    const int64_t blocks =
-        std::min(problem.max_padded / block_m,
-                 std::min(problem.num_experts, pairs) + pairs / block_m);
+    const int64_t blocks = std::min(problem.max_padded / block_m,
+                                    std::min(problem.num_experts, pairs) + pairs / block_m);
     const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
-    c.block_n = (problem.hidden_dim <= 64 || tiles < device_attribute(cudaDevAttrMultiProcessorCount))
-                    ? 64
-                    : 128;
+    c.block_n =
+        (problem.hidden_dim <= 64 || tiles < device_attribute(cudaDevAttrMultiProcessorCount))
+            ? 64
+            : 128;
   }
   if (c.warp_n == 0) c.warp_n = kConsumerWarpgroups;  // the only shape the kernel has
   if (c.stages == 0 && (c.block_n == 64 || c.block_n == 128) && (block_m == 64 || block_m == 128))
@@ -165,8 +169,9 @@ std::string check_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf
   if (pr.num_tokens * pr.top_k > kInt32Max || pr.max_padded > kInt32Max ||
       pr.num_experts * 2 * pr.hidden_dim > kInt32Max || pr.num_experts * pr.dim > kInt32Max ||
       pr.num_tokens * pr.dim / 8 > int64_t(0xFFFFFFFF))
-    return "num_tokens=" + std::to_string(pr.num_tokens) + ", num_experts=" +
-           std::to_string(pr.num_experts) + " are too large: rows, pairs and weight rows must "
+    return "num_tokens=" + std::to_string(pr.num_tokens) +
+           ", num_experts=" + std::to_string(pr.num_experts) +
+           " are too large: rows, pairs and weight rows must "
            "stay below 2^31 (and T*D/8 below 2^32)";
   if (c.block_n != 64 && c.block_n != 128)
     return "block_n=" + std::to_string(c.block_n) + sm90 +
@@ -176,14 +181,13 @@ std::string check_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf
            "; use 2 (two consumer warpgroups) or 0 for the tuned choice";
   const int limit = max_stages(int(pr.block_m), c.block_n);
   if (c.stages < kMinStages || c.stages > limit)
-    return "stages=" + std::to_string(c.stages) + sm90 + " at block_m=" +
-           std::to_string(pr.block_m) + ", block_n=" + std::to_string(c.block_n) + "; use " +
-           std::to_string(kMinStages) + ".." + std::to_string(limit) +
+    return "stages=" + std::to_string(c.stages) + sm90 +
+           " at block_m=" + std::to_string(pr.block_m) + ", block_n=" + std::to_string(c.block_n) +
+           "; use " + std::to_string(kMinStages) + ".." + std::to_string(limit) +
            " (shared memory) or 0 for the tuned choice";
   if (c.bpc < 1) return "bpc=" + std::to_string(c.bpc) + " must be at least 1";
   if (c.cpc != 1)
-    return "cpc=" + std::to_string(c.cpc) + sm90 +
-           " (no TMA multicast in this kernel); use 1 or 0";
+    return "cpc=" + std::to_string(c.cpc) + sm90 + " (no TMA multicast in this kernel); use 1 or 0";
   if (pr.num_tokens > 0 &&
       (!aligned16(pr.x) || !aligned16(pr.w) || !aligned16(pr.w2) || !aligned16(pr.out)))
     return "x, w, w2 and out must be 16-byte aligned (TMA and 16-byte copies)";
@@ -224,8 +228,7 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
 
     // Gate/up: A gathered from x (no tensor map; tmap_b is passed twice as a filler).
     CUtensorMap tmap_w, tmap_h, tmap_w2;
-    err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_w, pr.w, uint64_t(E) * 2 * H, D,
-                                                c.block_n);
+    err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_w, pr.w, uint64_t(E) * 2 * H, D, c.block_n);
     if (err != cudaSuccess) return err;
     MoeGemmParams gate_up = g;
     gate_up.pair_to_row = c.split ? ws.pair_to_row : nullptr;
@@ -242,8 +245,7 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
     err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_h, ws.h, uint64_t(pr.max_padded), H,
                                                 uint32_t(pr.block_m));
     if (err != cudaSuccess) return err;
-    err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_w2, pr.w2, uint64_t(E) * D, H,
-                                                2 * c.block_n);
+    err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_w2, pr.w2, uint64_t(E) * D, H, 2 * c.block_n);
     if (err != cudaSuccess) return err;
     MoeGemmParams down = g;
     down.out = c.split ? ws.y : pr.out;
@@ -252,10 +254,10 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
     down.n_dim = D;
     down.b_rows_per_expert = D;
     down.b_second_offset = 0;
-    err = c.split ? dispatch_gemm<DownStore, 2>(int(pr.block_m), c.block_n, tmap_h, tmap_w2,
-                                                down, num_sms, stream)
-                  : dispatch_gemm<DownAtomic, 2>(int(pr.block_m), c.block_n, tmap_h, tmap_w2,
-                                                 down, num_sms, stream);
+    err = c.split ? dispatch_gemm<DownStore, 2>(int(pr.block_m), c.block_n, tmap_h, tmap_w2, down,
+                                                num_sms, stream)
+                  : dispatch_gemm<DownAtomic, 2>(int(pr.block_m), c.block_n, tmap_h, tmap_w2, down,
+                                                 num_sms, stream);
     if (err != cudaSuccess) return err;
   }
   if (c.split) {
@@ -272,11 +274,10 @@ std::string describe_fused_moe_bf16_config(const FusedMoeBf16Problem& pr,
   const std::string bm = std::to_string(pr.block_m);
   return "fused_moe_bf16 sm_90a: block_m=" + bm + " block_n=" + std::to_string(c.block_n) +
          " (gate/up tile " + bm + "x(" + std::to_string(c.block_n) + "+" +
-         std::to_string(c.block_n) + "), down tile " + bm + "x" +
-         std::to_string(2 * c.block_n) + ") warp_n=" + std::to_string(c.warp_n) +
-         " stages=" + std::to_string(c.stages) + " bpc=" + std::to_string(c.bpc) +
-         " cpc=" + std::to_string(c.cpc) + (c.split ? " split=true" : " split=false") +
-         " gather=cp.async+swizzle";
+         std::to_string(c.block_n) + "), down tile " + bm + "x" + std::to_string(2 * c.block_n) +
+         ") warp_n=" + std::to_string(c.warp_n) + " stages=" + std::to_string(c.stages) +
+         " bpc=" + std::to_string(c.bpc) + " cpc=" + std::to_string(c.cpc) +
+         (c.split ? " split=true" : " split=false") + " gather=cp.async+swizzle";
 }
 
 }  // namespace prime_moe

@@ -8,8 +8,8 @@
 namespace prime_moe {
 
 struct GateUpSwiglu {
-  static constexpr int kNumB = 2;          // gate tile, up tile
-  static constexpr bool kGatherA = true;   // A rows are tokens of x, gathered
+  static constexpr int kNumB = 2;         // gate tile, up tile
+  static constexpr bool kGatherA = true;  // A rows are tokens of x, gathered
 
   // h rows are the padded-sorted rows (workspace, max_padded x H); padding rows hold zeros
   // (or nothing, in a skipped half), which only padding rows of the down GEMM see.

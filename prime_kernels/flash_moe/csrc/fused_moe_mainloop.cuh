@@ -50,7 +50,9 @@ __device__ __forceinline__ int routed_pair(const MoeGemmParams& p, int npp, int 
 __device__ __forceinline__ int acc_row(int i) {
   return ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4 + 8 * i;
 }
-__device__ __forceinline__ int acc_col(int j) { return 8 * j + 2 * (threadIdx.x % 4); }
+__device__ __forceinline__ int acc_col(int j) {
+  return 8 * j + 2 * (threadIdx.x % 4);
+}
 
 // Element f of the accumulators read as one flat array (f is a compile-time constant
 // after unrolling, so this stays in registers).
@@ -122,8 +124,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                     const __grid_constant__ CUtensorMap tmap_b, const MoeGemmParams p) {
   using namespace prime_kernels;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~uintptr_t(1023));
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int stages = p.stages;
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + size_t(stages) * Cfg::kABytes;
@@ -203,7 +205,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             cp_async_16_zfill(a_dst + i * 16 * 128, src + src_chunk[i], (valid_mask >> i) & 1);
           cp_async_mbarrier_arrive_noinc(&full[stage]);
         }
-        if (++stage == stages) { stage = 0; phase ^= 1; }
+        if (++stage == stages) {
+          stage = 0;
+          phase ^= 1;
+        }
       }
     }
   } else {
@@ -230,7 +235,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int kb = 0; kb < num_k_blocks; ++kb) {
           mbarrier_wait(&full[stage], phase);
           mbarrier_arrive(&empty[stage]);
-          if (++stage == stages) { stage = 0; phase ^= 1; }
+          if (++stage == stages) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
         continue;
       }
@@ -249,8 +257,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int kk = 0; kk < Cfg::kBlockK / 16; ++kk) {
 #pragma unroll
           for (int b = 0; b < Cfg::kNumMma; ++b)
-            Mma::mma(acc[b], desc_a + 2 * kk,
-                     desc_b + (b * Cfg::kBlockN * 128 >> 4) + 2 * kk, (kb | kk) != 0);
+            Mma::mma(acc[b], desc_a + 2 * kk, desc_b + (b * Cfg::kBlockN * 128 >> 4) + 2 * kk,
+                     (kb | kk) != 0);
         }
         wgmma_commit();
         // Keep this K slice's wgmmas in flight; the previous slice's are done, so its
@@ -258,7 +266,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         wgmma_wait<1>();
         if (kb > 0) mbarrier_arrive(&empty[prev_stage]);
         prev_stage = stage;
-        if (++stage == stages) { stage = 0; phase ^= 1; }
+        if (++stage == stages) {
+          stage = 0;
+          phase ^= 1;
+        }
       }
       wgmma_wait<0>();
 #pragma unroll
