@@ -41,6 +41,17 @@ TORCH_TARGET_VERSION = "0x020a000000000000"  # 2.10
 PY_LIMITED_API_TAG = "cp310"
 # Device code in csrc/ is torch-free and wants cuda_bf16.h's operators, which torch's
 # default nvcc flags switch off.
+# The C++ runtime: every extension links the shared libstdc++ (libstdc++.so.6), the one torch
+# runs on. A toolchain whose only libstdc++ is the static archive (a GCC installed without
+# libstdc++.so, or -static-libstdc++ in CXX) would otherwise link a private copy of it into
+# the extension, whose functions then run on the process's libstdc++ data: formatting a
+# number into an error message crashes the process (SIGSEGV) or prints nothing. Named
+# after the objects, so every libstdc++ symbol resolves from the shared library before the
+# driver's own -lstdc++ is searched.
+CXX_RUNTIME = "libstdc++.so.6"
+# Defined by libstdc++ itself (std::ostream::_M_insert<long>), never by an extension that
+# links it dynamically: its presence means a copy of the library was linked in.
+STATIC_CXX_RUNTIME_MARKER = "_ZNSo9_M_insertIlEERSoT_"
 NVCC_RESTORE_OPERATORS = [
     "-U__CUDA_NO_HALF_OPERATORS__",
     "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -138,6 +149,48 @@ def skip_reason(spec, toolkit: dict, kernel_dir: Path) -> str | None:
     return None
 
 
+def cxx_runtime_link_args() -> list[str]:
+    """Links the shared libstdc++, searched first where this process (which has imported
+    torch) loaded it from, so the extension and torch share one C++ runtime."""
+    args = []
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = {line.split()[-1] for line in maps if CXX_RUNTIME in line}
+    except OSError:
+        loaded = set()
+    for path in sorted(loaded):
+        if Path(path).name.startswith(CXX_RUNTIME):
+            args.append(f"-L{Path(path).parent}")
+            break
+    return [*args, f"-l:{CXX_RUNTIME}"]
+
+
+def static_cxx_runtime_reason(library: Path) -> str | None:
+    """Why a built extension would crash on its first formatted error message, or None:
+    it must need the shared libstdc++ and carry no copy of it (readelf, from binutils)."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return None
+    dynamic = subprocess.run([readelf, "-dW", str(library)], capture_output=True, text=True).stdout
+    symbols = subprocess.run(
+        [readelf, "--dyn-syms", "-W", str(library)], capture_output=True, text=True
+    ).stdout
+    # Columns: Num, Value, Size, Type, Bind, Vis, Ndx (UND: imported), Name[@version].
+    defined = any(
+        len(columns) >= 8
+        and columns[6] != "UND"
+        and columns[7].split("@")[0] == STATIC_CXX_RUNTIME_MARKER
+        for columns in map(str.split, symbols.splitlines())
+    )
+    if f"[{CXX_RUNTIME}]" in dynamic and not defined:
+        return None
+    return (
+        f"{library.name} carries its own copy of libstdc++ instead of linking {CXX_RUNTIME} "
+        "(the C++ compiler links the static archive); next to torch's libstdc++ it crashes "
+        "on error messages. Build with a C++ compiler that has libstdc++.so (set CXX)"
+    )
+
+
 def make_extension(spec, kernel_dir: Path):
     from torch.utils.cpp_extension import CUDAExtension
 
@@ -153,6 +206,7 @@ def make_extension(spec, kernel_dir: Path):
             "cxx": [std, "-O3", *defines, *spec.cxx_flags],
             "nvcc": [std, *gencode, *defines, *NVCC_RESTORE_OPERATORS, *spec.nvcc_flags],
         },
+        extra_link_args=cxx_runtime_link_args(),
         py_limited_api=True,
     )
 
@@ -248,6 +302,10 @@ def command_classes(extensions: list, build_info: dict) -> dict:
         class BuildExtWithMetadata(BuildExtension):
             def run(self):
                 super().run()
+                for extension in self.extensions:
+                    reason = static_cxx_runtime_reason(Path(self.get_ext_fullpath(extension.name)))
+                    if reason is not None:
+                        raise SystemExit(f"prime-kernels: {reason}")
                 if self.inplace:
                     write_build_info(build_info, self.build_lib, in_source=True)
 

@@ -25,12 +25,16 @@ KERNEL = parse_manifest(
 )["k"]
 
 
-@pytest.fixture(scope="module")
-def setup_module_():
+def load_setup_py():
     spec = importlib.util.spec_from_file_location("prime_kernels_setup", REPO / "setup.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # defines functions only; setup() runs as __main__
     return module
+
+
+@pytest.fixture(scope="module")
+def setup_module_():
+    return load_setup_py()
 
 
 @pytest.fixture
@@ -100,9 +104,17 @@ TINY_SOURCE = r"""
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <sstream>
+#include <stdexcept>
+
 __global__ void tiny_scale_kernel(float* data, float factor) { data[threadIdx.x] *= factor; }
 
 torch::stable::Tensor tiny_scale(torch::stable::Tensor x, double factor) {
+  if (x.dim() != 1) {  // a number formatted by iostreams: what a second libstdc++ breaks
+    std::ostringstream message;
+    message << "x must be 1-D, got " << x.dim() << "-D";
+    throw std::invalid_argument(message.str());
+  }
   torch::stable::Tensor out = torch::stable::empty_like(x);
   const float* in = x.const_data_ptr<float>();
   float* result = out.mutable_data_ptr<float>();
@@ -201,6 +213,12 @@ def test_throwaway_kernel_builds_from_its_table(tmp_path):
         import prime_kernels.tiny as tiny
         x = torch.randn(37)
         torch.testing.assert_close(tiny.scale(x, 2.5), x * 2.5)
+        try:
+            tiny.scale(x.view(1, 37), 2.5)
+        except ValueError as error:
+            assert str(error) == "x must be 1-D, got 2-D", str(error)
+        else:
+            raise AssertionError("no error for a 2-D x")
         print("ok")
         """
     )
@@ -210,3 +228,46 @@ def test_throwaway_kernel_builds_from_its_table(tmp_path):
         result.stdout
     )
     assert result.stdout.strip().endswith("ok")
+
+    # A compiler that links libstdc++ statically (as a GCC installed without libstdc++.so
+    # does) still gives an extension on torch's shared libstdc++, whose error messages work.
+    # Without the build's own link of libstdc++.so.6 this message lost its number here and
+    # crashed the process (SIGSEGV) under another Python.
+    wrappers = tmp_path / "static-libstdcxx"
+    wrappers.mkdir()
+    for name in ("gcc", "g++"):
+        real = shutil.which(name)
+        (wrappers / name).write_text(f'#!/bin/sh\nexec {real} -static-libstdc++ "$@"\n')
+        (wrappers / name).chmod(0o755)
+    shutil.rmtree(root / "build")
+    static = run_setup(
+        root, PRIME_KERNELS="tiny", CC=str(wrappers / "gcc"), CXX=str(wrappers / "g++")
+    )
+    assert static.returncode == 0, static.stdout[-3000:] + static.stderr[-3000:]
+    assert f"{wrappers / 'g++'} " in static.stdout + static.stderr, "the wrapper did not link"
+    (library,) = (root / "prime_kernels" / "tiny").glob("_C*.so")
+    assert load_setup_py().static_cxx_runtime_reason(library) is None
+    result = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
+def test_static_cxx_runtime_is_detected(tmp_path):
+    """The build's check refuses a library that carries a copy of libstdc++."""
+    source = tmp_path / "lib.cpp"
+    source.write_text(
+        "#include <sstream>\n#include <string>\n"
+        "std::string format(long n) { std::ostringstream s; s << n; return s.str(); }\n"
+    )
+    check = load_setup_py().static_cxx_runtime_reason
+    for flags, carries_copy in (([], False), (["-static-libstdc++"], True)):
+        library = tmp_path / f"lib{len(flags)}.so"
+        subprocess.run(
+            ["g++", "-shared", "-fPIC", *flags, "-o", str(library), str(source)], check=True
+        )
+        reason = check(library)
+        assert (reason is not None) == carries_copy, reason
+        if carries_copy:
+            assert "carries its own copy of libstdc++" in reason
