@@ -24,6 +24,7 @@ MXFP8_SCALE_BLOCK: int = _constants.MXFP8_SCALE_BLOCK
 DIM_MULTIPLE: int = _constants.DIM_MULTIPLE
 HIDDEN_MULTIPLE: int = _constants.HIDDEN_MULTIPLE
 MAX_EXPERTS: int = _constants.MAX_EXPERTS
+MAX_ROWS: int = _constants.MAX_ROWS
 
 __all__ = [
     "BLOCK_M",

@@ -73,11 +73,12 @@ struct TensorArg {
   const char* name;
   const Tensor& tensor;
   ScalarType dtype;
-  int64_t rank;  // -1: any
+  int64_t rank;
 };
 
-// Dtypes of all arguments first, then device, contiguity and rank: a call with CPU tensors
-// still learns about a wrong dtype.
+// What a tensor is, before where it is: dtypes of all arguments first, then rank and
+// contiguity, so a call with CPU tensors still learns every mistake in its shapes (and the
+// checks can be exercised without a GPU). check_devices comes after the shape checks.
 void check_tensors(const char* op, std::initializer_list<TensorArg> args) {
   for (const TensorArg& arg : args) {
     if (arg.tensor.scalar_type() != arg.dtype) {
@@ -87,26 +88,30 @@ void check_tensors(const char* op, std::initializer_list<TensorArg> args) {
   }
   for (const TensorArg& arg : args) {
     const Tensor& t = arg.tensor;
-    if (!t.is_cuda()) {
-      fail(op, "argument '", arg.name, "' must be on a CUDA device, got a CPU tensor");
+    if (t.dim() != arg.rank) {
+      fail(op, "argument '", arg.name, "' must be ", arg.rank, "-D, got shape ", shape_of(t));
     }
     if (!t.is_contiguous()) {
       fail(op, "argument '", arg.name, "' must be contiguous, got shape ", shape_of(t),
            " with non-contiguous strides");
     }
-    if (arg.rank >= 0 && t.dim() != arg.rank) {
-      fail(op, "argument '", arg.name, "' must be ", arg.rank, "-D, got shape ", shape_of(t));
-    }
   }
 }
 
-void check_same_device(const char* op, const Tensor& first, const char* first_name, const Tensor& t,
-                       const char* name) {
-  if (t.get_device_index() != first.get_device_index()) {
-    fail(op, "argument '", name, "' is on cuda:", static_cast<int>(t.get_device_index()), " but '",
-         first_name, "' is on cuda:", static_cast<int>(first.get_device_index()),
-         "; all tensors must be on one CUDA device");
+// Every tensor on the CUDA device of the first one; returns that device's index.
+int32_t check_devices(const char* op, std::initializer_list<TensorArg> args) {
+  const TensorArg& first = *args.begin();
+  for (const TensorArg& arg : args) {
+    if (!arg.tensor.is_cuda()) {
+      fail(op, "argument '", arg.name, "' must be on a CUDA device, got a CPU tensor");
+    }
+    if (arg.tensor.get_device_index() != first.tensor.get_device_index()) {
+      fail(op, "argument '", arg.name, "' is on cuda:", int(arg.tensor.get_device_index()),
+           " but '", first.name, "' is on cuda:", int(first.tensor.get_device_index()),
+           "; all tensors must be on one CUDA device");
+    }
   }
+  return first.tensor.get_device_index();
 }
 
 void check_shape(const char* op, const char* name, const Tensor& t,
@@ -147,22 +152,29 @@ void check_block_m_bpc(const char* op, int64_t block_m, int64_t bpc) {
 std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_experts, int64_t block_m,
                                              int64_t bpc) {
   constexpr const char* op = "moe_align";
-  check_tensors(op, {{"topk_ids", topk_ids, ScalarType::Int, -1}});
-  if (topk_ids.dim() != 2) {
-    fail(op, "argument 'topk_ids' must be 2-D (T, top_k), got shape ", shape_of(topk_ids));
-  }
+  const std::initializer_list<TensorArg> tensors = {{"topk_ids", topk_ids, ScalarType::Int, 2}};
+  check_tensors(op, tensors);
   if (num_experts < 1 || num_experts > kMaxExperts) {
     fail(op, "num_experts=", num_experts, " must be in [1, ", kMaxExperts, "]");
   }
   check_block_m_bpc(op, block_m, bpc);
   const int64_t num_pairs = topk_ids.numel();
-  if (num_pairs >= (int64_t{1} << 31)) {
-    fail(op, "topk_ids has ", num_pairs, " elements; at most 2^31 - 1 pairs are supported");
+  if (num_pairs > kMaxRows) {
+    fail(op, "argument 'topk_ids' of shape ", shape_of(topk_ids), " holds ", num_pairs,
+         " pairs; at most 2^31 - 1 are supported");
   }
   const int64_t pad = block_m * bpc;
   const int64_t max_padded = moe_align_max_padded(num_pairs, num_experts, pad);
+  // Rows and segment offsets are int32 on the device: the worst-case padded length (every
+  // expert wasting pad - 1 rows) must stay below 2^31, not only T * k.
+  if (max_padded > kMaxRows) {
+    fail(op, "argument 'topk_ids' of shape ", shape_of(topk_ids), " with num_experts=", num_experts,
+         " and block_m * bpc = ", pad, " gives up to ", max_padded,
+         " padded rows; at most 2^31 - 1 are supported (fewer experts or a smaller block_m * "
+         "bpc)");
+  }
+  const int32_t device = check_devices(op, tensors);
 
-  const int32_t device = topk_ids.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
   Tensor sorted_token_ids = torch::stable::new_empty(topk_ids, {max_padded});
   Tensor expert_ids = torch::stable::new_empty(topk_ids, {max_padded / block_m});
@@ -185,21 +197,16 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
                     int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
                     int64_t cpc, bool split) {
   constexpr const char* op = "fused_moe_bf16";
-  check_tensors(op, {{"x", x, ScalarType::BFloat16, 2},
-                     {"w", w, ScalarType::BFloat16, 3},
-                     {"w2", w2, ScalarType::BFloat16, 3},
-                     {"sorted_token_ids", sorted_token_ids, ScalarType::Int, 1},
-                     {"expert_ids", expert_ids, ScalarType::Int, 1},
-                     {"num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, -1},
-                     {"topk_weights", topk_weights, ScalarType::Float, -1},
-                     {"out", out, ScalarType::BFloat16, 2}});
-  check_same_device(op, x, "x", w, "w");
-  check_same_device(op, x, "x", w2, "w2");
-  check_same_device(op, x, "x", sorted_token_ids, "sorted_token_ids");
-  check_same_device(op, x, "x", expert_ids, "expert_ids");
-  check_same_device(op, x, "x", num_tokens_post_padded, "num_tokens_post_padded");
-  check_same_device(op, x, "x", topk_weights, "topk_weights");
-  check_same_device(op, x, "x", out, "out");
+  const std::initializer_list<TensorArg> tensors = {
+      {"x", x, ScalarType::BFloat16, 2},
+      {"w", w, ScalarType::BFloat16, 3},
+      {"w2", w2, ScalarType::BFloat16, 3},
+      {"sorted_token_ids", sorted_token_ids, ScalarType::Int, 1},
+      {"expert_ids", expert_ids, ScalarType::Int, 1},
+      {"num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, 1},
+      {"topk_weights", topk_weights, ScalarType::Float, 2},
+      {"out", out, ScalarType::BFloat16, 2}};
+  check_tensors(op, tensors);
 
   const int64_t T = x.size(0), D = x.size(1);
   const int64_t E = w.size(0), H = w.size(1) / 2;
@@ -210,14 +217,9 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
   }
   check_shape(op, "w2", w2, {E, D, H}, "(E, dim, hidden_dim)");
   check_shape(op, "out", out, {T, D}, "(T, dim), like x");
-  if (topk_weights.numel() != T * top_k) {
-    fail(op, "argument 'topk_weights' must hold T * top_k = ", T * top_k,
-         " weights (read flat at t * top_k + j), got shape ", shape_of(topk_weights));
-  }
-  if (num_tokens_post_padded.numel() != 1) {
-    fail(op, "argument 'num_tokens_post_padded' must hold one element, got shape ",
-         shape_of(num_tokens_post_padded));
-  }
+  check_shape(op, "topk_weights", topk_weights, {T, top_k}, "(T, top_k), read at t * top_k + j");
+  check_shape(op, "num_tokens_post_padded", num_tokens_post_padded, {1},
+              "(moe_align's padded total)");
   if (D % kDimMultiple != 0) {
     fail(op, "dim=", D, " (x.size(1)) must be a multiple of ", kDimMultiple,
          " (one 64-element K step of the gate/up GEMM)");
@@ -238,6 +240,7 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
          max_padded / block_m, ", got ", expert_ids.size(0),
          "; pass moe_align's output for the same block_m");
   }
+  const int32_t device = check_devices(op, tensors);
 
   FusedMoeBf16Problem problem{};
   problem.x = static_cast<const __nv_bfloat16*>(x.const_data_ptr());
@@ -255,6 +258,7 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
   problem.top_k = top_k;
   problem.max_padded = max_padded;
   problem.block_m = block_m;
+  problem.device = device;
 
   FusedMoeBf16Config requested;
   requested.block_n = static_cast<int>(block_n);
@@ -263,16 +267,16 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
   requested.bpc = static_cast<int>(bpc);
   requested.cpc = static_cast<int>(cpc);
   requested.split = split;
+  // The tuned choice depends on x's device (SM count, shared memory per block).
+  torch::stable::accelerator::DeviceGuard guard(device);
   const FusedMoeBf16Config config = resolve_fused_moe_bf16_config(problem, requested);
   const std::string problem_error = check_fused_moe_bf16(problem, config);
   if (!problem_error.empty()) fail(op, problem_error);
   if (const char* print = std::getenv("PRIME_MOE_PRINT_CONFIG"); print && print[0] == '1') {
     std::fprintf(stderr, "%s: %s\n", op, describe_fused_moe_bf16_config(problem, config).c_str());
   }
-  if (T == 0) return;
+  if (T == 0) return;  // nothing to write, nothing launched
 
-  const int32_t device = x.get_device_index();
-  torch::stable::accelerator::DeviceGuard guard(device);
   const int64_t workspace_bytes =
       static_cast<int64_t>(fused_moe_bf16_workspace_bytes(problem, config));
   Tensor workspace =
@@ -317,7 +321,7 @@ extern "C" PyMODINIT_FUNC PyInit__C(void) {
   const std::pair<const char*, long> constants[] = {
       {"BLOCK_M", prime_moe::kBlockM},           {"MXFP8_SCALE_BLOCK", prime_moe::kMxfp8ScaleBlock},
       {"DIM_MULTIPLE", prime_moe::kDimMultiple}, {"HIDDEN_MULTIPLE", prime_moe::kHiddenMultiple},
-      {"MAX_EXPERTS", prime_moe::kMaxExperts},
+      {"MAX_EXPERTS", prime_moe::kMaxExperts},   {"MAX_ROWS", prime_moe::kMaxRows},
   };
   for (const auto& [name, value] : constants) {
     if (PyModule_AddIntConstant(module, name, value) != 0) {

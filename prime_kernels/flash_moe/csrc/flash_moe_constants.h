@@ -21,4 +21,8 @@ inline constexpr int kHiddenMultiple = 64;
 // moe_align keeps one histogram bin per expert in shared memory.
 inline constexpr int kMaxExperts = 4096;
 
+// Rows of the padded, expert-sorted order (moe_align's worst case, every expert wasting
+// block_m * bpc - 1 rows), pair indices and their offsets are int32 on the device.
+inline constexpr long kMaxRows = 2147483647;
+
 }  // namespace prime_moe

@@ -28,9 +28,8 @@ size_t align256(size_t bytes) {
   return (bytes + 255) & ~size_t(255);
 }
 
-int device_attribute(cudaDeviceAttr attr) {
-  int device = 0, value = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+int device_attribute(cudaDeviceAttr attr, int device) {
+  int value = 0;
   if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) return 0;
   return value;
 }
@@ -45,8 +44,8 @@ size_t smem_bytes(int block_m, int block_n, int stages) {
   return 1024 + size_t(stages) * stage_bytes(block_m, block_n) + 2 * size_t(stages) * 8;
 }
 
-int max_stages(int block_m, int block_n) {
-  const size_t limit = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin));
+int max_stages(int block_m, int block_n, int device) {
+  const size_t limit = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   int stages = 0;
   while (stages < kMaxStages && smem_bytes(block_m, block_n, stages + 1) <= limit) ++stages;
   return stages;
@@ -131,15 +130,15 @@ FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& prob
     const int64_t blocks = std::min(problem.max_padded / block_m,
                                     std::min(problem.num_experts, pairs) + pairs / block_m);
     const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
-    c.block_n =
-        (problem.hidden_dim <= 64 || tiles < device_attribute(cudaDevAttrMultiProcessorCount))
-            ? 64
-            : 128;
+    c.block_n = (problem.hidden_dim <= 64 ||
+                 tiles < device_attribute(cudaDevAttrMultiProcessorCount, problem.device))
+                    ? 64
+                    : 128;
   }
   if (c.warp_n == 0) c.warp_n = kConsumerWarpgroups;  // the only shape the kernel has
   if (c.stages == 0 && (c.block_n == 64 || c.block_n == 128) && (block_m == 64 || block_m == 128))
     // As deep as the shared memory allows: 4 stages of 48 KB at 128 x 128.
-    c.stages = max_stages(int(block_m), c.block_n);
+    c.stages = max_stages(int(block_m), c.block_n, problem.device);
   if (c.cpc == 0) c.cpc = 1;  // no TMA multicast: one CTA per cluster
   return c;
 }
@@ -165,9 +164,8 @@ std::string check_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf
            " must be a non-negative multiple of block_m=" + std::to_string(pr.block_m);
   // Rows, pair indices and TMA coordinates are 32-bit; gathered x chunks are 32-bit
   // offsets in units of 8 elements.
-  const int64_t kInt32Max = 2147483647;
-  if (pr.num_tokens * pr.top_k > kInt32Max || pr.max_padded > kInt32Max ||
-      pr.num_experts * 2 * pr.hidden_dim > kInt32Max || pr.num_experts * pr.dim > kInt32Max ||
+  if (pr.num_tokens * pr.top_k > kMaxRows || pr.max_padded > kMaxRows ||
+      pr.num_experts * 2 * pr.hidden_dim > kMaxRows || pr.num_experts * pr.dim > kMaxRows ||
       pr.num_tokens * pr.dim / 8 > int64_t(0xFFFFFFFF))
     return "num_tokens=" + std::to_string(pr.num_tokens) +
            ", num_experts=" + std::to_string(pr.num_experts) +
@@ -179,7 +177,7 @@ std::string check_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf
   if (c.warp_n != kConsumerWarpgroups)
     return "warp_n=" + std::to_string(c.warp_n) + sm90 +
            "; use 2 (two consumer warpgroups) or 0 for the tuned choice";
-  const int limit = max_stages(int(pr.block_m), c.block_n);
+  const int limit = max_stages(int(pr.block_m), c.block_n, pr.device);
   if (c.stages < kMinStages || c.stages > limit)
     return "stages=" + std::to_string(c.stages) + sm90 +
            " at block_m=" + std::to_string(pr.block_m) + ", block_n=" + std::to_string(c.block_n) +
@@ -203,7 +201,7 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
                                   void* workspace, cudaStream_t stream) {
   if (pr.num_tokens == 0) return cudaSuccess;  // out is empty
   const Workspace ws = carve_workspace(pr, c.split, workspace);
-  const int num_sms = device_attribute(cudaDevAttrMultiProcessorCount);
+  const int num_sms = device_attribute(cudaDevAttrMultiProcessorCount, pr.device);
   if (num_sms == 0) return cudaErrorInvalidDevice;
   const int num_pairs = int(pr.num_tokens * pr.top_k);
   cudaError_t err;

@@ -25,6 +25,7 @@ struct FusedMoeBf16Problem {
   const float* topk_weights;              // (T * k,)
   __nv_bfloat16* out;                     // (T, D)
   int64_t num_tokens, dim, hidden_dim, num_experts, top_k, max_padded, block_m;
+  int device;  // CUDA device of every tensor: the tuned config is read from its properties
 };
 
 // The tuning arguments of the op. 0 means "the kernel's own choice for this shape".

@@ -1,0 +1,309 @@
+"""Every bad argument flash_moe's ops must refuse, each with the error it must raise.
+
+A wrong argument must raise a ValueError naming it, before any launch, never kill the
+process; so every case runs in a process of its own (a crash there is a failed case, not a
+dead test run). ``python tests/bad_arguments.py [--device cuda|cpu] [CASE ...]``: with no
+case names, runs every case, each in its own process, and prints one line per case; with
+names, runs those cases in this process. It imports whichever prime_kernels is first on
+sys.path, so it checks an installed wheel as well as the in-place build (run it from outside
+the source tree for the wheel). With ``--device cpu`` every tensor is a CPU tensor: the
+checks of dtypes, shapes and values come before the device check, so they all answer without
+a GPU (the tuning values, which are resolved on the GPU, need ``--device cuda``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+T, D, H, E, K = 64, 256, 128, 4, 2
+
+
+@dataclass(frozen=True)
+class Case:
+    call: Callable[[object, str], None]  # (flash_moe, device) -> None; must raise
+    message: str  # a regular expression the error's text must match
+    cuda_only: bool = False  # the check runs after the device's properties are read
+
+
+def base_inputs(flash_moe, device: str, block_m: int = 128) -> list:
+    """A valid call's arguments: x, w, w2, the alignment of random routing, weights, out, k."""
+    from prime_kernels.flash_moe import reference
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(T, D, generator=generator).bfloat16()
+    w = (0.05 * torch.randn(E, 2 * H, D, generator=generator)).bfloat16()
+    w2 = (0.05 * torch.randn(E, D, H, generator=generator)).bfloat16()
+    ids, weights = reference.routing(T, E, K, generator=generator)
+    aligned = reference.moe_align_reference(ids, E, block_m)
+    out = torch.empty(T, D).bfloat16()
+    return [t.to(device) for t in (x, w, w2, *aligned, weights, out)] + [K]
+
+
+def fused(**replace):
+    """A fused_moe_bf16 call with some arguments replaced: by position (int keys as
+    ``a0``..``a8``, values computed from the valid inputs) or tuning keywords."""
+    positions = {f"a{i}": i for i in range(9)}
+
+    def call(flash_moe, device):
+        args = base_inputs(flash_moe, device)
+        kwargs = {}
+        for key, value in replace.items():
+            if key in positions:
+                args[positions[key]] = value(args, device) if callable(value) else value
+            else:
+                kwargs[key] = value
+        flash_moe.fused_moe_bf16(*args, **kwargs)
+
+    return call
+
+
+def bf16(*shape):
+    return lambda args, device: torch.randn(*shape, device=device).bfloat16()
+
+
+def align(ids_fn, num_experts=E, *rest):
+    return lambda flash_moe, device: flash_moe.moe_align(ids_fn(device), num_experts, *rest)
+
+
+def ids(*shape, dtype=torch.int32):
+    return lambda device: torch.zeros(*shape, dtype=dtype, device=device)
+
+
+def max_pairs(flash_moe, num_experts: int, pad: int) -> int:
+    """The most pairs moe_align takes with this E and pad: its padded length <= MAX_ROWS."""
+    n = flash_moe.MAX_ROWS // pad * pad - num_experts * (pad - 1)
+    assert flash_moe.moe_align_max_padded(n, num_experts, pad) <= flash_moe.MAX_ROWS
+    assert flash_moe.moe_align_max_padded(n + 1, num_experts, pad) > flash_moe.MAX_ROWS
+    return n
+
+
+def padded_overflow(extra: int):
+    """moe_align at E = 4096 and block_m * bpc = 65536 (padding alone reaches 2^28 rows) with
+    ``extra`` pairs past the most it takes. The tensor is never read: the check comes first."""
+
+    def call(flash_moe, device):
+        n = max_pairs(flash_moe, 4096, 65536) + extra
+        flash_moe.moe_align(torch.empty(n, 1, dtype=torch.int32, device=device), 4096, 1024, 64)
+
+    return call
+
+
+CASES: dict[str, Case] = {
+    # fused_moe_bf16: dtypes, ranks, contiguity
+    "x_dtype": Case(
+        fused(a0=lambda a, d: a[0].float()),
+        r"argument 'x' must be a torch\.bfloat16 tensor, got torch\.float32",
+    ),
+    "w2_dtype": Case(
+        fused(a2=lambda a, d: a[2].half()),
+        r"argument 'w2' must be a torch\.bfloat16 tensor, got torch\.float16",
+    ),
+    "weights_dtype": Case(
+        fused(a6=lambda a, d: a[6].double()),
+        r"argument 'topk_weights' must be a torch\.float32 tensor, got torch\.float64",
+    ),
+    "sorted_ids_dtype": Case(
+        fused(a3=lambda a, d: a[3].long()),
+        r"argument 'sorted_token_ids' must be a torch\.int32 tensor, got torch\.int64",
+    ),
+    "x_rank": Case(
+        fused(a0=lambda a, d: a[0].reshape(-1)), r"argument 'x' must be 2-D, got shape \(16384,\)"
+    ),
+    "x_not_contiguous": Case(
+        fused(a0=lambda a, d: torch.empty(D, T, device=d).bfloat16().t()),
+        r"argument 'x' must be contiguous, got shape \(64, 256\)",
+    ),
+    "w_not_contiguous": Case(
+        fused(a1=lambda a, d: a[1].transpose(1, 2).contiguous().transpose(1, 2)),
+        r"argument 'w' must be contiguous, got shape \(4, 256, 256\)",
+    ),
+    # shapes
+    "w_shape": Case(
+        fused(a1=bf16(E, 2 * H, 128)),
+        r"argument 'w' must have shape \(E, 2 \* hidden_dim, dim\) = \(E, 2H, 256\)",
+    ),
+    "w2_shape": Case(
+        fused(a2=lambda a, d: a[2][:, :, :64].contiguous()),
+        r"argument 'w2' must have shape \(4, 256, 128\) \(E, dim, hidden_dim\), got \(4, 256, 64\)",
+    ),
+    "out_shape": Case(
+        fused(a7=lambda a, d: a[7][:10]), r"argument 'out' must have shape \(64, 256\)"
+    ),
+    "weights_transposed": Case(
+        fused(a6=lambda a, d: a[6].t().contiguous()),
+        r"argument 'topk_weights' must have shape \(64, 2\) \(T, top_k\).*got \(2, 64\)",
+    ),
+    "weights_flat": Case(
+        fused(a6=lambda a, d: a[6].reshape(-1)),
+        r"argument 'topk_weights' must be 2-D, got shape \(128,\)",
+    ),
+    "top_k_mismatch": Case(
+        fused(a8=3),
+        r"argument 'topk_weights' must have shape \(64, 3\) \(T, top_k\).*got \(64, 2\)",
+    ),
+    "top_k_zero": Case(fused(a8=0), r"top_k=0 must be at least 1"),
+    "total_shape": Case(
+        fused(a5=lambda a, d: torch.zeros(2, dtype=torch.int32, device=d)),
+        r"argument 'num_tokens_post_padded' must have shape \(1,\)",
+    ),
+    "dim_multiple": Case(
+        fused(a0=bf16(T, 96), a1=bf16(E, 2 * H, 96), a2=bf16(E, 96, H), a7=bf16(T, 96)),
+        r"dim=96 \(x\.size\(1\)\) must be a multiple of 64",
+    ),
+    "hidden_multiple": Case(
+        fused(a1=bf16(E, 200, D), a2=bf16(E, D, 100)),
+        r"hidden_dim=100 \(w\.size\(1\) / 2\) must be a multiple of 64",
+    ),
+    "sorted_ids_length": Case(
+        fused(a3=lambda a, d: a[3][:-1]), r"not a multiple of block_m \* bpc = 128"
+    ),
+    "expert_ids_length": Case(
+        fused(a4=lambda a, d: a[4][:-1]), r"argument 'expert_ids' must have length"
+    ),
+    "block_m_not_multiple": Case(
+        fused(block_m=100), r"block_m=100 must be a positive multiple of 16"
+    ),
+    "bpc_zero": Case(fused(bpc=0), r"bpc=0 must be positive"),
+    # devices
+    "x_on_cpu": Case(
+        fused(a0=lambda a, d: a[0].cpu()),
+        r"argument 'x' must be on a CUDA device, got a CPU tensor",
+    ),
+    "out_on_cpu": Case(
+        fused(a7=lambda a, d: a[7].cpu()),
+        r"argument 'out' must be on a CUDA device, got a CPU tensor",
+        cuda_only=True,
+    ),
+    # tuning values and what sm_90 supports (resolved on x's device)
+    "block_n": Case(fused(block_n=96), r"block_n=96 is not supported on sm_90", cuda_only=True),
+    "stages": Case(fused(stages=99), r"stages=99 is not supported on sm_90", cuda_only=True),
+    "cpc": Case(fused(cpc=2), r"cpc=2 is not supported on sm_90", cuda_only=True),
+    "block_m_32": Case(
+        lambda fm, d: fm.fused_moe_bf16(*base_inputs(fm, d, block_m=32), block_m=32),
+        r"block_m=32 is not supported on sm_90",
+        cuda_only=True,
+    ),
+    # moe_align
+    "ids_dtype": Case(
+        align(ids(4, 2, dtype=torch.int64)),
+        r"argument 'topk_ids' must be a torch\.int32 tensor, got torch\.int64",
+    ),
+    "ids_rank": Case(align(ids(8)), r"argument 'topk_ids' must be 2-D, got shape \(8,\)"),
+    "ids_not_contiguous": Case(
+        align(lambda d: torch.zeros(2, 4, dtype=torch.int32, device=d).t()),
+        r"argument 'topk_ids' must be contiguous, got shape \(4, 2\)",
+    ),
+    "num_experts_zero": Case(align(ids(4, 2), 0), r"num_experts=0 must be in \[1, 4096\]"),
+    "num_experts_4097": Case(align(ids(4, 2), 4097), r"num_experts=4097 must be in \[1, 4096\]"),
+    "align_block_m": Case(
+        align(ids(4, 2), E, 100), r"block_m=100 must be a positive multiple of 16"
+    ),
+    "align_pad": Case(
+        align(ids(4, 2), E, 1024, 128), r"bpc=128 must be positive with block_m \* bpc <= 65536"
+    ),
+    "ids_on_cpu": Case(
+        lambda fm, d: fm.moe_align(torch.zeros(4, 2, dtype=torch.int32), E),
+        r"argument 'topk_ids' must be on a CUDA device, got a CPU tensor",
+    ),
+    "padded_overflow": Case(
+        padded_overflow(1),
+        r"argument 'topk_ids' of shape \(\d+, 1\) with num_experts=4096 and block_m \* bpc = 65536 gives up to "
+        r"2147483648 padded rows; at most 2\^31 - 1",
+    ),
+}
+
+# On CPU tensors a call that passes every check ends at the device check: the largest
+# moe_align the padded-length limit admits gets that far, one pair more does not.
+CPU_ONLY_CASES: dict[str, Case] = {
+    "padded_at_limit": Case(padded_overflow(0), r"argument 'topk_ids' must be on a CUDA device"),
+}
+
+
+def cases_for(device: str) -> dict[str, Case]:
+    if device == "cpu":
+        return {n: c for n, c in {**CASES, **CPU_ONLY_CASES}.items() if not c.cuda_only}
+    return dict(CASES)
+
+
+def load_flash_moe(device: str):
+    import prime_kernels
+
+    if device == "cuda":
+        return prime_kernels.load("flash_moe")  # RuntimeError with the registry's reason
+    from prime_kernels import flash_moe
+
+    if not flash_moe.EXTENSION_BUILT:
+        raise RuntimeError(prime_kernels.unavailable_reason("flash_moe"))
+    return flash_moe
+
+
+def run_case(name: str, device: str) -> str:
+    """Runs one case in this process; returns the error's text, or raises AssertionError."""
+    case = cases_for(device)[name]
+    flash_moe = load_flash_moe(device)
+    try:
+        case.call(flash_moe, device)
+    # The stable ABI reports std::invalid_argument as ValueError (torch 2.11) or as
+    # RuntimeError (torch 2.15); the text is ours either way.
+    except (ValueError, RuntimeError) as error:
+        text = str(error).splitlines()[0] if str(error) else ""
+        if not re.search(case.message, str(error)):
+            raise AssertionError(
+                f"{name}: {type(error).__name__} {text!r} does not match {case.message!r}"
+            ) from None
+        if device == "cuda":
+            torch.cuda.synchronize()  # nothing was launched that could fail later
+        return f"{type(error).__name__}: {text}"
+    raise AssertionError(f"{name}: no error raised")
+
+
+def run_each_in_own_process(
+    names: list[str], device: str, jobs: int = 8
+) -> dict[str, tuple[bool, str]]:
+    """name -> (passed, what happened), every case in a fresh interpreter with this one's
+    environment and sys.path."""
+
+    def one(name):
+        result = subprocess.run(
+            [sys.executable, __file__, "--device", device, name], capture_output=True, text=True
+        )
+        if result.returncode < 0:
+            return name, (False, f"killed by signal {-result.returncode}: {result.stderr[-500:]}")
+        if result.returncode != 0:
+            return name, (False, (result.stdout + result.stderr)[-800:])
+        return name, (True, result.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return dict(pool.map(one, names))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("cases", nargs="*")
+    args = parser.parse_args()
+    if args.cases:
+        for name in args.cases:
+            print(run_case(name, args.device))
+        return 0
+    import prime_kernels
+
+    print(f"prime_kernels from {prime_kernels.__file__}, torch {torch.__version__}")
+    results = run_each_in_own_process(sorted(cases_for(args.device)), args.device)
+    for name, (passed, what) in results.items():
+        print(f"{'ok  ' if passed else 'FAIL'} {name}: {what}")
+    failed = [name for name, (passed, _) in results.items() if not passed]
+    print(f"{len(results) - len(failed)} of {len(results)} bad-argument cases raised as they must")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
