@@ -86,6 +86,8 @@ CASES = [
     (300, 64, 64, 8, 2, "uniform"),
     (300, 64, 192, 8, 2, "zipf"),
     (64, 2048, 768, 128, 8, "uniform"),
+    (300, 512, 256, 32, 16, "uniform"),  # k > 8: the combine's second batch of 8 pairs
+    (600, 256, 128, 64, 16, "zipf"),
 ]
 
 
@@ -111,10 +113,145 @@ def test_small_shapes_for_sanitizer(flash_moe, seed, split, T, D, H, E, k, kind)
     check(flash_moe, make_inputs(T, D, H, E, k, kind, generator), split=split)
 
 
+@pytest.mark.parametrize("block_n", [None, 64, 128])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_block_m_64(flash_moe, seed, split):
+def test_block_m_64(flash_moe, seed, split, block_n):
     generator = torch.Generator().manual_seed(seed)
-    check(flash_moe, make_inputs(700, 512, 256, 16, 4, "zipf", generator), split=split, block_m=64)
+    inputs = make_inputs(700, 512, 256, 16, 4, "zipf", generator)
+    check(flash_moe, inputs, split=split, block_m=64, block_n=block_n)
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_partial_last_n_tile(flash_moe, seed, split, block_m):
+    """gpt-oss's D = H = 2880 with block_n = 128: the gate/up GEMM's last n tile holds 64 of
+    128 columns, the down GEMM's (256 wide) 64 of 256."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(200, 2880, 2880, 8, 4, "uniform", generator)
+    check(flash_moe, inputs, split=split, block_m=block_m, block_n=128)
+
+
+def test_fused_adds_into_out(flash_moe, seed):
+    """split=False adds into what out holds."""
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(500, 512, 256, 16, 4, "uniform", generator)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 16)
+    before = torch.randn(x.shape, generator=generator).bfloat16().cuda()
+    out = before.clone()
+    flash_moe.fused_moe_bf16(x, w, w2, sorted_ids, expert_ids, total, weights, out, 4, split=False)
+    want = before.float() + reference.moe_grouped_mm(x, w, w2, ids, weights).float()
+    assert reference.relative_error(out, want) <= BAR
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_non_default_stream(flash_moe, seed, split):
+    """Every launch goes to the current stream: x is written on a side stream after a delay,
+    so a kernel on another stream would read the old x."""
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(1024, 512, 256, 16, 4, "uniform", generator)
+    new_x = torch.randn(x.shape, generator=generator).bfloat16().cuda()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~25 ms at the H200's clock
+        x.copy_(new_x)
+        sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 16)
+        out = torch.zeros_like(x)
+        flash_moe.fused_moe_bf16(
+            x, w, w2, sorted_ids, expert_ids, total, weights, out, 4, split=split
+        )
+    side.synchronize()
+    ref = reference.moe_grouped_mm(new_x, w, w2, ids, weights)
+    assert reference.relative_error(out, ref) <= BAR
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_poisoned_workspace(flash_moe, seed, split, block_m):
+    """The workspace (h, y, pair_to_row) comes from the caching allocator unwritten: fill
+    its free memory with NaN first; no NaN may reach out."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(1000, 512, 256, 16, 4, "zipf", generator)
+    nan_bf16_pairs = 0x7FC07FC0  # two bf16 NaNs per int32 (and a float32 NaN)
+    torch.cuda.synchronize()
+    poison = torch.full((64 << 20,), nan_bf16_pairs, dtype=torch.int32, device="cuda")
+    del poison
+    check(flash_moe, inputs, split=split, block_m=block_m)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_no_tokens(flash_moe, split):
+    """T = 0 (an expert-parallel rank that got no tokens): moe_align gives an all-padding
+    layout with total 0, and the forward launches nothing, also under graph capture."""
+    D, H, E, k = 256, 128, 8, 2
+    x = torch.empty(0, D, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(E, 2 * H, D, device="cuda").bfloat16()
+    w2 = torch.randn(E, D, H, device="cuda").bfloat16()
+    ids = torch.empty(0, k, dtype=torch.int32, device="cuda")
+    weights = torch.empty(0, k, device="cuda")
+    out = torch.empty_like(x)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, E)
+    assert total.item() == 0 and (sorted_ids == -1).all() and (expert_ids == -1).all()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = flash_moe.fused_moe_bf16(
+            x, w, w2, sorted_ids, expert_ids, total, weights, out, k, split=split
+        )
+        torch.cuda.synchronize()
+    assert result is out and out.shape == (0, D)
+    launched = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert not launched, f"T = 0 launched {launched}"
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_moe.moe_align(ids, E)
+        flash_moe.fused_moe_bf16(x, w, w2, *captured, weights, out, k, split=split)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured[2].item() == 0 and (captured[0] == -1).all()
+
+
+FIRST_CALL_IN_CAPTURE = """
+import torch, prime_kernels
+from prime_kernels.flash_moe import reference
+flash_moe = prime_kernels.load("flash_moe")
+split = {split}
+torch.manual_seed(0)
+T, D, H, E, k = 1024, 512, 256, 16, 4
+x = (0.2 * torch.randn(T, D, device="cuda")).bfloat16()
+w = (0.05 * torch.randn(E, 2 * H, D, device="cuda")).bfloat16()
+w2 = (0.05 * torch.randn(E, D, H, device="cuda")).bfloat16()
+ids, weights = reference.routing(T, E, k, device="cuda")
+out = torch.full_like(x, float("nan"))
+torch.cuda.synchronize()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):  # the first call of either op in this process
+    aligned = flash_moe.moe_align(ids, E)
+    if not split:
+        out.zero_()
+    flash_moe.fused_moe_bf16(x, w, w2, *aligned, weights, out, k, split=split)
+graph.replay()
+ref = reference.moe_grouped_mm(x, w, w2, ids, weights)
+error = reference.relative_error(out, ref)
+assert error <= {bar}, error
+print("ok", error)
+"""
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_graph_capture_without_warm_up(flash_moe, split):
+    """Captured in a fresh process before any eager call (module loading, tensor maps and
+    function attributes all happen inside the capture)."""
+    import subprocess
+    import sys
+
+    script = FIRST_CALL_IN_CAPTURE.format(split=split, bar=BAR)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok")
 
 
 def test_split_is_bitwise_deterministic(flash_moe, seed):
@@ -186,7 +323,7 @@ def test_opcheck(flash_moe, seed):
 @pytest.mark.sanitize
 def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
     """Whatever sorted_token_ids and expert_ids hold, the kernels only touch valid memory
-    (compute-sanitizer memcheck runs this); the numbers are unspecified."""
+    (compute-sanitizer memcheck runs this); with random ids the numbers are unspecified."""
     generator = torch.Generator().manual_seed(seed)
     x, w, w2, ids, weights = make_inputs(100, 128, 64, 4, 2, "uniform", generator)
     sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 4)
@@ -199,4 +336,49 @@ def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
             flash_moe.fused_moe_bf16(
                 x, w, w2, sorted_ids, expert_ids, total, weights, out, 2, split=split
             )
-    torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_out_of_range_routing_drops_exactly_those_pairs(flash_moe, seed, split):
+    """Rows whose id is outside [0, T*k) and blocks whose expert is outside [0, E) are
+    skipped, and everything else is computed as usual: out equals the reference with exactly
+    those pairs dropped. A padded total past the end reads as the end, a negative one as 0."""
+    generator = torch.Generator().manual_seed(seed)
+    T, E, k = 300, 8, 2
+    x, w, w2, ids, weights = make_inputs(T, 128, 64, E, k, "uniform", generator)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, E)
+    bad_rows = torch.rand(sorted_ids.shape, generator=generator).cuda() < 0.1
+    junk_ids = torch.tensor([T * k, T * k + 1, 10**6, -2, -(2**31)], dtype=torch.int32)
+    junk = junk_ids[torch.randint(0, 5, sorted_ids.shape, generator=generator)].cuda()
+    bad_blocks = torch.zeros(expert_ids.shape, dtype=torch.bool)
+    bad_blocks[torch.randperm(len(bad_blocks), generator=generator)[:2]] = True
+    bad_blocks = bad_blocks.cuda()
+    junk_experts = torch.tensor([-5, E, 100], dtype=torch.int32, device="cuda")
+    junk_experts = junk_experts[torch.arange(len(expert_ids), device="cuda") % 3]
+
+    block_m = flash_moe.BLOCK_M
+    lost = bad_rows | bad_blocks.repeat_interleave(block_m)
+    dropped = sorted_ids[lost & (sorted_ids >= 0)].long()
+    expected_ids = ids.clone().view(-1)
+    expected_ids[dropped] = -1
+    want = reference.moe_grouped_mm(x, w, w2, expected_ids.view(T, k), weights)
+    assert dropped.numel() > 0
+
+    bad_sorted = torch.where(bad_rows, junk, sorted_ids)
+    bad_experts = torch.where(bad_blocks, junk_experts, expert_ids)
+    for bad_total, expected in (
+        (total, want),
+        (torch.full_like(total, 10**7), want),
+        (torch.full_like(total, -3), torch.zeros_like(want)),
+    ):
+        out = torch.full_like(x, float("nan")) if split else torch.zeros_like(x)
+        flash_moe.fused_moe_bf16(
+            x, w, w2, bad_sorted, bad_experts, bad_total, weights, out, k, split=split
+        )
+        if expected.norm() == 0:
+            assert (out == 0).all()
+        else:
+            assert reference.relative_error(out, expected) <= BAR

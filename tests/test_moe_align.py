@@ -93,6 +93,51 @@ def test_no_tokens(flash_moe):
     assert (sorted_ids == -1).all() and (expert_ids == -1).all()
 
 
+def test_no_tokens_under_graph_capture(flash_moe):
+    ids = torch.empty(0, 4, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 16, 64, 2)
+    for t in (sorted_ids, expert_ids, total):
+        t.fill_(POISON)
+    graph.replay()
+    want = reference.moe_align_reference(ids, 16, 64, 2)
+    assert all(torch.equal(a, b) for a, b in zip((sorted_ids, expert_ids, total), want))
+
+
+def test_padded_length_at_the_limit(flash_moe):
+    """The largest moe_align its padded-length check admits (one pair more is refused, see
+    bad_arguments.py): 256 experts padded to 65536 rows, 2^31 - 2^24 pairs, rows up to
+    2^31 - 2^16. Routing is monotone in the pair index, so every segment is known exactly."""
+    E, block_m, bpc = 256, 1024, 64
+    pad = block_m * bpc
+    n = flash_moe.MAX_ROWS // pad * pad - E * (pad - 1)
+    max_padded = flash_moe.moe_align_max_padded(n, E, pad)
+    assert max_padded <= flash_moe.MAX_ROWS < flash_moe.moe_align_max_padded(n + 1, E, pad)
+    first = [-(-e * n // E) for e in range(E + 1)]  # first pair of expert e: ceil(e * n / E)
+    ids = torch.empty(n, 1, dtype=torch.int32, device="cuda")
+    for e in range(E):
+        ids[first[e] : first[e + 1]] = e
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, E, block_m, bpc)
+    del ids
+    assert sorted_ids.shape == (max_padded,) and expert_ids.shape == (max_padded // block_m,)
+    start = 0
+    want_experts = torch.full((max_padded // block_m,), -1, dtype=torch.int32, device="cuda")
+    for e in range(E):
+        count = first[e + 1] - first[e]
+        padded = -(-count // pad) * pad
+        segment = sorted_ids[start : start + padded]
+        assert torch.equal(
+            segment[:count],
+            torch.arange(first[e], first[e + 1], dtype=torch.int32, device="cuda"),
+        ), f"expert {e}: rows {start}..{start + count} out of order"
+        assert (segment[count:] == -1).all(), f"expert {e}: padding rows not -1"
+        want_experts[start // block_m : (start + padded) // block_m] = e
+        start += padded
+    assert total.item() == start and (sorted_ids[start:] == -1).all()
+    assert torch.equal(expert_ids, want_experts)
+
+
 def test_deterministic(flash_moe, seed):
     generator = torch.Generator().manual_seed(seed)
     ids = make_ids("zipf", 8192, 128, 8, generator).cuda()
