@@ -27,7 +27,7 @@ Peers (wheels from scripts/fetch-peer-wheels, installed into PYTHONPATH):
   without it SonicMoE expects gate/up rows interleaved. Its GEMMs are QuACK's CuTe-DSL
   grouped GEMMs, autotuned per shape unless we pass ``tuned=False`` (the benchmark does,
   unless asked to tune peers).
-- vLLM's Triton fused_moe: not runnable here (see ``VLLM_REASON``).
+- vLLM's Triton fused_moe: not timed (``VLLM_REASON`` says why).
 """
 
 from __future__ import annotations
@@ -38,12 +38,10 @@ import os
 import site
 
 VLLM_REASON = (
-    "vLLM's Triton fused_moe cannot be carried: vllm 0.33.0's wheel alone is 336 MB "
-    "(321 MiB, 837 MB unpacked) against the 64 MiB a device call carries, it pins "
-    "torch==2.14.0 (the image has 2.11.0), and vllm/model_executor/layers/fused_moe/"
-    "fused_moe.py imports vllm._custom_ops (the compiled _C / _moe_C extensions, 93 + 46 MB), "
-    "vllm.envs, vllm.platforms and the rest of the package at import time, so the kernel "
-    "does not import standalone"
+    "vLLM's Triton fused_moe is not timed: vllm 0.33.0 pins torch==2.14.0, and "
+    "vllm/model_executor/layers/fused_moe/fused_moe.py imports vllm._custom_ops (vLLM's "
+    "compiled extensions, built for that torch), vllm.envs, vllm.platforms and the rest of "
+    "the package at import time, so the kernel does not import standalone under another torch"
 )
 
 
