@@ -186,6 +186,18 @@ CASES: dict[str, Case] = {
     "block_n": Case(fused(block_n=96), r"block_n=96 is not supported on sm_90", cuda_only=True),
     "stages": Case(fused(stages=99), r"stages=99 is not supported on sm_90", cuda_only=True),
     "cpc": Case(fused(cpc=2), r"cpc=2 is not supported on sm_90", cuda_only=True),
+    "warp_n": Case(fused(warp_n=3), r"warp_n=3 is not supported on sm_90", cuda_only=True),
+    "original_tile": Case(
+        fused(block_n=128, warp_n=4),
+        r"block_n=128 with warp_n=4 is not supported on sm_90; the original's tiles are "
+        r"\(block_n, warp_n\) = \(64, 4\) or \(32, 8\)",
+        cuda_only=True,
+    ),
+    "original_stages": Case(
+        fused(block_n=64, warp_n=4, stages=6),
+        r"stages=6 is not supported on sm_90 with the original's tiles; use 1\.\.5",
+        cuda_only=True,
+    ),
     "block_m_32": Case(
         lambda fm, d: fm.fused_moe_bf16(*base_inputs(fm, d, block_m=32), block_m=32),
         r"block_m=32 is not supported on sm_90",

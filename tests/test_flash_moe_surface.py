@@ -84,3 +84,16 @@ def test_fused_moe_bf16_fake_returns_out():
         out = torch.empty(T, D, dtype=torch.bfloat16, device="cuda")
         result = flash_moe.fused_moe_bf16(x, w, w2, sorted_ids, expert_ids, total, tw, out, k)
     assert result is out
+
+
+@needs_extension
+def test_num_sms_setting():
+    assert flash_moe.get_num_sms() == 0
+    try:
+        flash_moe.set_num_sms(16)
+        assert flash_moe.get_num_sms() == 16
+        with pytest.raises(ValueError, match="num_sms must be >= 0"):
+            flash_moe.set_num_sms(-1)
+    finally:
+        flash_moe.set_num_sms(0)
+    assert flash_moe.get_num_sms() == 0

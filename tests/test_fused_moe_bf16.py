@@ -254,6 +254,78 @@ def test_graph_capture_without_warm_up(flash_moe, split):
     assert result.stdout.startswith("ok")
 
 
+# The original's tuning values, as callers spell them (one passes all positionally).
+ORIGINAL_TUNINGS = [(64, 4, 2), (64, 4, 1), (64, 4, 5), (32, 8, 2), (32, 8, 4)]
+
+
+@pytest.mark.parametrize(("block_n", "warp_n", "stages"), ORIGINAL_TUNINGS)
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_original_tuning_values(flash_moe, seed, split, block_n, warp_n, stages):
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(700, 512, 256, 16, 4, "zipf", generator)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 16)
+    out = torch.full_like(x, float("nan")) if split else torch.zeros_like(x)
+    args = (x, w, w2, sorted_ids, expert_ids, total, weights, out, 4)
+    flash_moe.fused_moe_bf16(*args, 128, block_n, warp_n, stages, 1, 1, split)
+    ref = reference.moe_grouped_mm(x, w, w2, ids, weights)
+    assert reference.relative_error(out, ref) <= BAR
+
+
+PRINT_CONFIG = """
+import torch, prime_kernels
+from prime_kernels.flash_moe import reference
+flash_moe = prime_kernels.load("flash_moe")
+T, D, H, E, k = 8192, 1024, 512, 32, 4
+x = torch.randn(T, D, device="cuda").bfloat16()
+w = torch.randn(E, 2 * H, D, device="cuda").bfloat16()
+w2 = torch.randn(E, D, H, device="cuda").bfloat16()
+ids, weights = reference.routing(T, E, k, device="cuda")
+aligned = flash_moe.moe_align(ids, E)
+out = torch.empty_like(x)
+flash_moe.fused_moe_bf16(x, w, w2, *aligned, weights, out, k, 128, 64, 4, 2, 1, 1, True)
+flash_moe.fused_moe_bf16(x, w, w2, *aligned, weights, out, k, block_n=64, stages=3)
+flash_moe.set_num_sms(8)
+flash_moe.fused_moe_bf16(x, w, w2, *aligned, weights, out, k)
+torch.cuda.synchronize()
+"""
+
+
+def test_print_config_shows_what_hints_became(flash_moe):
+    """The original's (64, 4, 2) takes the tuned tile (128 wide and as deep as shared memory
+    allows at this size); this kernel's own block_n and stages are kept; set_num_sms caps
+    the persistent grid."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", PRINT_CONFIG],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PRIME_MOE_PRINT_CONFIG": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("fused_moe_bf16:")]
+    assert len(lines) == 3, result.stderr
+    (original, asked), (pinned, _), (capped, _) = (line.split("; asked ") for line in lines)
+    assert asked.startswith("block_n=64 warp_n=4 stages=2") and "Blackwell tile" in asked
+    assert "block_n=128 " in original and "stages=2 " not in original
+    assert "block_n=64 " in pinned and "stages=3 " in pinned
+    all_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert "sms=8 " in capped and f"sms={all_sms} " in original
+
+
+def test_num_sms_cap(flash_moe, seed):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(2048, 512, 256, 16, 4, "uniform", generator)
+    try:
+        flash_moe.set_num_sms(5)
+        for split in (True, False):
+            check(flash_moe, inputs, split=split)
+    finally:
+        flash_moe.set_num_sms(0)
+
+
 def test_split_is_bitwise_deterministic(flash_moe, seed):
     generator = torch.Generator().manual_seed(seed)
     inputs = make_inputs(4096, 1024, 512, 32, 8, "zipf", generator)

@@ -30,10 +30,26 @@ __all__ = [
     "BLOCK_M",
     "MXFP8_SCALE_BLOCK",
     "fused_moe_bf16",
+    "get_num_sms",
     "moe_align",
     "moe_align_max_padded",
+    "set_num_sms",
     "unsupported_shape_reason",
 ]
+
+
+def set_num_sms(num_sms: int) -> None:
+    """Caps the SMs the persistent GEMM kernels use (0, the default: every SM), so that
+    kernels running alongside (communication, say) keep the rest. Process-wide; takes
+    effect at the next call (a CUDA graph keeps the grid it captured)."""
+    if not EXTENSION_BUILT:
+        raise RuntimeError("flash_moe is not compiled into this install")
+    _constants.set_num_sms(int(num_sms))
+
+
+def get_num_sms() -> int:
+    """The cap set by :func:`set_num_sms` (0: none)."""
+    return _constants.get_num_sms() if EXTENSION_BUILT else 0
 
 
 def unsupported_shape_reason(
@@ -99,8 +115,12 @@ def fused_moe_bf16(
     ``split=True`` writes every element of ``out`` (bitwise deterministic);
     ``split=False`` adds into ``out``, which the caller must zero first. ``block_m`` and
     ``bpc`` must be those given to :func:`moe_align`. ``block_n``, ``warp_n``, ``stages`` and
-    ``cpc`` are sm_90 tuning choices; None (or 0) takes the kernel's tuned choice for the
-    shape (``PRIME_MOE_PRINT_CONFIG=1`` prints it)."""
+    ``cpc`` are hints. None (or 0) takes the kernel's tuned choice for the shape, and so do
+    the original's Blackwell tiles, spelled with ``warp_n`` 4 or 8 ((block_n, warp_n) in
+    {(64, 4), (32, 8)}, stages 1..5, cpc 1). With ``warp_n`` None or 2 (this kernel's two
+    consumer warpgroups), ``block_n`` (64, 128) and ``stages`` (2 up to what shared memory
+    holds) pin this kernel's own tile. ``PRIME_MOE_PRINT_CONFIG=1`` prints what each hint
+    became."""
     torch.ops.prime_moe.fused_moe_bf16(
         x,
         w,

@@ -12,133 +12,20 @@
 
 #include <cstdlib>
 #include <initializer_list>
-#include <sstream>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "flash_moe_constants.h"
 #include "fused_moe_bf16.h"
 #include "moe_align.h"
+#include "prime_kernels/binding.h"
 
 namespace prime_moe {
 namespace {
 
+using namespace prime_kernels::binding;
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
-
-template <typename... Parts>
-[[noreturn]] void fail(const char* op, const Parts&... parts) {
-  std::ostringstream message;
-  message << op << ": ";
-  (message << ... << parts);
-  throw std::invalid_argument(message.str());
-}
-
-std::string shape_of(const Tensor& t) {
-  std::ostringstream text;
-  text << "(";
-  for (int64_t d = 0; d < t.dim(); ++d) text << (d ? ", " : "") << t.size(d);
-  text << (t.dim() == 1 ? ",)" : ")");
-  return text.str();
-}
-
-// Dtype names as Python users write them.
-std::string dtype_name(ScalarType type) {
-  switch (type) {
-    case ScalarType::BFloat16:
-      return "torch.bfloat16";
-    case ScalarType::Half:
-      return "torch.float16";
-    case ScalarType::Float:
-      return "torch.float32";
-    case ScalarType::Double:
-      return "torch.float64";
-    case ScalarType::Int:
-      return "torch.int32";
-    case ScalarType::Long:
-      return "torch.int64";
-    case ScalarType::Byte:
-      return "torch.uint8";
-    case ScalarType::Float8_e4m3fn:
-      return "torch.float8_e4m3fn";
-    case ScalarType::Float8_e8m0fnu:
-      return "torch.float8_e8m0fnu";
-    default:
-      return std::string("torch.") + torch::headeronly::toString(type);
-  }
-}
-
-struct TensorArg {
-  const char* name;
-  const Tensor& tensor;
-  ScalarType dtype;
-  int64_t rank;
-};
-
-// What a tensor is, before where it is: dtypes of all arguments first, then rank and
-// contiguity, so a call with CPU tensors still learns every mistake in its shapes (and the
-// checks can be exercised without a GPU). check_devices comes after the shape checks.
-void check_tensors(const char* op, std::initializer_list<TensorArg> args) {
-  for (const TensorArg& arg : args) {
-    if (arg.tensor.scalar_type() != arg.dtype) {
-      fail(op, "argument '", arg.name, "' must be a ", dtype_name(arg.dtype), " tensor, got ",
-           dtype_name(arg.tensor.scalar_type()));
-    }
-  }
-  for (const TensorArg& arg : args) {
-    const Tensor& t = arg.tensor;
-    if (t.dim() != arg.rank) {
-      fail(op, "argument '", arg.name, "' must be ", arg.rank, "-D, got shape ", shape_of(t));
-    }
-    if (!t.is_contiguous()) {
-      fail(op, "argument '", arg.name, "' must be contiguous, got shape ", shape_of(t),
-           " with non-contiguous strides");
-    }
-  }
-}
-
-// Every tensor on the CUDA device of the first one; returns that device's index.
-int32_t check_devices(const char* op, std::initializer_list<TensorArg> args) {
-  const TensorArg& first = *args.begin();
-  for (const TensorArg& arg : args) {
-    if (!arg.tensor.is_cuda()) {
-      fail(op, "argument '", arg.name, "' must be on a CUDA device, got a CPU tensor");
-    }
-    if (arg.tensor.get_device_index() != first.tensor.get_device_index()) {
-      fail(op, "argument '", arg.name, "' is on cuda:", int(arg.tensor.get_device_index()),
-           " but '", first.name, "' is on cuda:", int(first.tensor.get_device_index()),
-           "; all tensors must be on one CUDA device");
-    }
-  }
-  return first.tensor.get_device_index();
-}
-
-void check_shape(const char* op, const char* name, const Tensor& t,
-                 const std::vector<int64_t>& expected, const char* meaning) {
-  bool same = t.dim() == static_cast<int64_t>(expected.size());
-  for (int64_t d = 0; same && d < t.dim(); ++d) same = t.size(d) == expected[d];
-  if (!same) {
-    std::ostringstream want;
-    want << "(";
-    for (size_t d = 0; d < expected.size(); ++d) want << (d ? ", " : "") << expected[d];
-    want << (expected.size() == 1 ? ",)" : ")");
-    fail(op, "argument '", name, "' must have shape ", want.str(), " ", meaning, ", got ",
-         shape_of(t));
-  }
-}
-
-cudaStream_t current_stream(int32_t device_index) {
-  void* stream = nullptr;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device_index, &stream));
-  return static_cast<cudaStream_t>(stream);
-}
-
-void check_cuda(const char* op, cudaError_t status) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string(op) + ": CUDA error: " + cudaGetErrorString(status));
-  }
-}
 
 void check_block_m_bpc(const char* op, int64_t block_m, int64_t bpc) {
   if (block_m <= 0 || block_m % 16 != 0 || block_m > 1024) {
@@ -269,11 +156,12 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
   requested.split = split;
   // The tuned choice depends on x's device (SM count, shared memory per block).
   torch::stable::accelerator::DeviceGuard guard(device);
-  const FusedMoeBf16Config config = resolve_fused_moe_bf16_config(problem, requested);
-  const std::string problem_error = check_fused_moe_bf16(problem, config);
+  const std::string problem_error = check_fused_moe_bf16(problem, requested);
   if (!problem_error.empty()) fail(op, problem_error);
+  const FusedMoeBf16Config config = resolve_fused_moe_bf16_config(problem, requested);
   if (const char* print = std::getenv("PRIME_MOE_PRINT_CONFIG"); print && print[0] == '1') {
-    std::fprintf(stderr, "%s: %s\n", op, describe_fused_moe_bf16_config(problem, config).c_str());
+    std::fprintf(stderr, "%s: %s\n", op,
+                 describe_fused_moe_bf16_config(problem, requested, config).c_str());
   }
   if (T == 0) return;  // nothing to write, nothing launched
 
@@ -311,11 +199,38 @@ STABLE_TORCH_LIBRARY_IMPL(prime_moe, CPU, m) {
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
 }
 
-// The extension module itself only carries the constants; the ops live in torch.ops.
+// The extension module carries the constants and the SM setting; the ops live in
+// torch.ops.
+namespace {
+
+PyObject* set_num_sms(PyObject*, PyObject* args) {
+  int num_sms = 0;
+  if (!PyArg_ParseTuple(args, "i", &num_sms)) return nullptr;
+  if (num_sms < 0) {
+    PyErr_SetString(PyExc_ValueError, "set_num_sms: num_sms must be >= 0 (0: every SM)");
+    return nullptr;
+  }
+  prime_moe::set_num_sms(num_sms);
+  Py_RETURN_NONE;
+}
+
+PyObject* get_num_sms(PyObject*, PyObject*) {
+  return PyLong_FromLong(prime_moe::num_sms_setting());
+}
+
+PyMethodDef methods[] = {
+    {"set_num_sms", set_num_sms, METH_VARARGS,
+     "Caps the SMs flash_moe's persistent kernels use (0: all of the device's)."},
+    {"get_num_sms", get_num_sms, METH_NOARGS, "The cap set by set_num_sms (0: none)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
                                    "flash_moe's compiled ops (torch.ops.prime_moe) and constants",
-                                   -1, nullptr};
+                                   -1, methods};
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   const std::pair<const char*, long> constants[] = {

@@ -1,4 +1,5 @@
-// Launcher of the bf16 fused MoE forward on sm_90a (host side of fused_moe_bf16.h).
+// Launcher of the bf16 fused MoE forward on sm_90a (host side of fused_moe_bf16.h): the
+// kernels it instantiates, the one function that chooses among them, and the launches.
 //
 // split=true:  memset pair_to_row to -1, gate/up GEMM (+ SwiGLU, + pair_to_row scatter)
 //              into h, down GEMM into y, deterministic combine into out: 4 stream ops.
@@ -8,21 +9,73 @@
 #include "fused_moe_bf16.h"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
+#include <utility>
 
+#include "device/combine.cuh"
+#include "device/moe_gemm.cuh"
 #include "flash_moe_constants.h"
-#include "fused_moe_combine.cuh"
-#include "fused_moe_down.cuh"
-#include "fused_moe_gate_up.cuh"
 #include "prime_kernels/tma.cuh"
 
 namespace prime_moe {
 namespace {
 
-constexpr int kConsumerWarpgroups = 2;  // fixed by the kernel (warp_n)
-constexpr int kMinStages = 2;
+// The forward's kernels for one gate/up tile of block_m x block_n. The down GEMM's tile is
+// 2 * block_n wide, so that both GEMMs' stages are the same size and share one stage count.
+template <int kBlockM, int kBlockN>
+struct ForwardKernels {
+  using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
+  using DownTile = MoeGemmTile<kBlockM, 2 * kBlockN, 1>;
+  using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToH>;
+  using DownStore = MoeGemm<DownTile, TmaRows<DownTile>, StoreRows>;
+  using DownAtomic = MoeGemm<DownTile, TmaRows<DownTile>, WeightedAtomicAdd>;
+  static_assert(GateUpTile::kStageBytes == DownTile::kStageBytes,
+                "one stage count serves both GEMMs");
+  static_assert(GateUp::smem_bytes(3) == DownStore::smem_bytes(3));
+  static constexpr size_t smem_bytes(int stages) { return GateUp::smem_bytes(stages); }
+};
+
+// The (block_m, block_n) tiles this build instantiates: the only place their values are
+// written. block_m 64 and 128 are one and two wgmma M; block_n 64 and 128 keep the gate/up
+// accumulators (2 x block_n columns per consumer) within the register budget.
+using TileBlockMs = std::integer_sequence<int, 64, 128>;
+using TileBlockNs = std::integer_sequence<int, 64, 128>;
+static_assert(kBlockM == 128, "moe_align's default block_m is one of the instantiated tiles");
+
+template <int kBlockM, class F, int... kBlockN>
+bool dispatch_block_n(int block_n, F& f, std::integer_sequence<int, kBlockN...>) {
+  return ((block_n == kBlockN ? (f(ForwardKernels<kBlockM, kBlockN>{}), true) : false) || ...);
+}
+template <class F, int... kBlockM>
+bool dispatch_block_m(int block_m, int block_n, F& f, std::integer_sequence<int, kBlockM...>) {
+  return ((block_m == kBlockM && dispatch_block_n<kBlockM>(block_n, f, TileBlockNs{})) || ...);
+}
+// Calls f(ForwardKernels<block_m, block_n>{}); false when no such tile is instantiated.
+template <class F>
+bool with_forward_kernels(int block_m, int block_n, F&& f) {
+  return dispatch_block_m(block_m, block_n, f, TileBlockMs{});
+}
+bool is_instantiated(int block_m, int block_n) {
+  return with_forward_kernels(block_m, block_n, [](auto) {});
+}
+template <int... kValues>
+bool contains(std::integer_sequence<int, kValues...>, int64_t value) {
+  return ((value == kValues) || ...);
+}
+template <int... kValues>
+std::string list_values(std::integer_sequence<int, kValues...>) {
+  std::string text;
+  ((text += (text.empty() ? "" : ", ") + std::to_string(kValues)), ...);
+  return text;
+}
+
+constexpr int kConsumerWarpgroups = 2;  // CooperativeConsumers: the only consumer layout
+constexpr int kMinStages = 2;           // one stage would serialize copies and math
 // Past 8 stages (8 x 32 KB at block_n = 64) the ring already covers DRAM latency.
 constexpr int kMaxStages = 8;
+
+std::atomic<int> g_num_sms{0};
 
 size_t align256(size_t bytes) {
   return (bytes + 255) & ~size_t(255);
@@ -34,21 +87,27 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   return value;
 }
 
-// Bytes of one pipeline stage; gate/up (A + gate + up tiles) and down (A + one tile of
-// 2 * block_n rows) are the same size by construction.
-size_t stage_bytes(int block_m, int block_n) {
-  return size_t(block_m) * 64 * 2 + size_t(2 * block_n) * 64 * 2;
+// SMs the persistent kernels may use on this device.
+int usable_sms(int device) {
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  const int cap = g_num_sms.load(std::memory_order_relaxed);
+  return cap > 0 ? std::min(cap, sms) : sms;
 }
 
-size_t smem_bytes(int block_m, int block_n, int stages) {
-  return 1024 + size_t(stages) * stage_bytes(block_m, block_n) + 2 * size_t(stages) * 8;
-}
-
+// The deepest ring the device's shared memory holds for this tile (0: not instantiated).
 int max_stages(int block_m, int block_n, int device) {
   const size_t limit = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   int stages = 0;
-  while (stages < kMaxStages && smem_bytes(block_m, block_n, stages + 1) <= limit) ++stages;
+  with_forward_kernels(block_m, block_n, [&](auto kernels) {
+    using K = decltype(kernels);
+    while (stages < kMaxStages && K::smem_bytes(stages + 1) <= limit) ++stages;
+  });
   return stages;
+}
+
+// The original's spelling of its Blackwell tiles: warp_n warps along N with these block_n.
+bool is_original_tile(int block_n, int warp_n) {
+  return (block_n == 64 && warp_n == 4) || (block_n == 32 && warp_n == 8);
 }
 
 struct Workspace {
@@ -76,38 +135,21 @@ Workspace carve_workspace(const FusedMoeBf16Problem& pr, bool split, void* base)
   return ws;
 }
 
-template <int kBlockM, int kBlockN, class Variant>
+template <class Kernel>
 cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
                         const MoeGemmParams& params, int num_sms, cudaStream_t stream) {
-  using Cfg = MoeGemmConfig<kBlockM, kBlockN, Variant>;
-  auto* kernel = moe_gemm_kernel<Cfg, Variant>;
-  const size_t smem = Cfg::smem_bytes(params.stages);
+  using Tile = typename Kernel::Tile;
+  auto* kernel = moe_gemm_kernel<Kernel>;
+  const size_t smem = Kernel::smem_bytes(params.stages);
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   // Persistent: one CTA per SM (or fewer when even the padded maximum has fewer tiles).
-  const int64_t max_tiles =
-      int64_t(params.max_padded / kBlockM) * ((params.n_dim + kBlockN - 1) / kBlockN);
+  const int64_t max_tiles = int64_t(params.max_padded / Tile::kBlockM) *
+                            ((params.n_dim + Tile::kBlockN - 1) / Tile::kBlockN);
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tiles)));
-  kernel<<<grid, Cfg::kThreads, smem, stream>>>(tmap_a, tmap_b, params);
+  kernel<<<grid, Kernel::kThreads, smem, stream>>>(tmap_a, tmap_b, params);
   return cudaGetLastError();
-}
-
-// Dispatch on the resolved block_m (64, 128) and block_n (64, 128); the down GEMM's tile
-// is 2 * block_n columns so that both GEMMs' stages are the same size.
-template <class Variant, int kTileScale>
-cudaError_t dispatch_gemm(int block_m, int block_n, const CUtensorMap& tmap_a,
-                          const CUtensorMap& tmap_b, const MoeGemmParams& params, int num_sms,
-                          cudaStream_t stream) {
-  if (block_m == 128 && block_n == 128)
-    return launch_gemm<128, 128 * kTileScale, Variant>(tmap_a, tmap_b, params, num_sms, stream);
-  if (block_m == 128 && block_n == 64)
-    return launch_gemm<128, 64 * kTileScale, Variant>(tmap_a, tmap_b, params, num_sms, stream);
-  if (block_m == 64 && block_n == 128)
-    return launch_gemm<64, 128 * kTileScale, Variant>(tmap_a, tmap_b, params, num_sms, stream);
-  if (block_m == 64 && block_n == 64)
-    return launch_gemm<64, 64 * kTileScale, Variant>(tmap_a, tmap_b, params, num_sms, stream);
-  return cudaErrorInvalidValue;  // unreachable after check_fused_moe_bf16
 }
 
 bool aligned16(const void* ptr) {
@@ -116,13 +158,24 @@ bool aligned16(const void* ptr) {
 
 }  // namespace
 
+void set_num_sms(int num_sms) {
+  g_num_sms.store(std::max(num_sms, 0), std::memory_order_relaxed);
+}
+int num_sms_setting() {
+  return g_num_sms.load(std::memory_order_relaxed);
+}
+
 FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& problem,
-                                                 FusedMoeBf16Config requested) {
+                                                 const FusedMoeBf16Config& requested) {
   FusedMoeBf16Config c = requested;
-  const int64_t block_m = problem.block_m > 0 ? problem.block_m : kBlockM;
-  if (c.block_n == 0) {
-    // 128: gate/up tiles of 128 x (128 gate + 128 up) and down tiles of 128 x 256, the
-    // largest whose fp32 accumulators (128 per consumer thread) fit the 232-register
+  const int block_m = int(problem.block_m);
+  // warp_n 4 or 8 spells one of the original's Blackwell tiles (block_n, warp_n, stages),
+  // which name no tile of this kernel: they take the tuned choice, as 0 does. Callers that
+  // spell out the original's defaults (64, 4, 2) get the fast tile, not a 2-stage one.
+  const bool original = requested.warp_n == 4 || requested.warp_n == 8;
+  if (original || requested.block_n == 0) {
+    // 128: gate/up tiles of block_m x (128 gate + 128 up) and down tiles of block_m x 256,
+    // the largest whose fp32 accumulators (128 per consumer thread) fit the 232-register
     // consumer budget. 64 when even that gives fewer tiles than SMs (decode-sized T,
     // weight-bandwidth-bound): more CTAs streaming weights. Real blocks are at most one
     // partial block per routed expert plus T*k / block_m full ones.
@@ -130,24 +183,24 @@ FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& prob
     const int64_t blocks = std::min(problem.max_padded / block_m,
                                     std::min(problem.num_experts, pairs) + pairs / block_m);
     const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
-    c.block_n = (problem.hidden_dim <= 64 ||
-                 tiles < device_attribute(cudaDevAttrMultiProcessorCount, problem.device))
-                    ? 64
-                    : 128;
+    c.block_n = (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device)) ? 64 : 128;
   }
-  if (c.warp_n == 0) c.warp_n = kConsumerWarpgroups;  // the only shape the kernel has
-  if (c.stages == 0 && (c.block_n == 64 || c.block_n == 128) && (block_m == 64 || block_m == 128))
-    // As deep as the shared memory allows: 4 stages of 48 KB at 128 x 128.
-    c.stages = max_stages(int(block_m), c.block_n, problem.device);
-  if (c.cpc == 0) c.cpc = 1;  // no TMA multicast: one CTA per cluster
+  // The consumers are always two cooperative warpgroups; warp_n only chose the tile above.
+  c.warp_n = kConsumerWarpgroups;
+  // As deep as the shared memory allows (4 stages of 48 KB at 128 x 128): the ring hides
+  // DRAM latency and the gather's cp.async round trips.
+  if (original || requested.stages == 0) c.stages = max_stages(block_m, c.block_n, problem.device);
+  c.cpc = 1;  // no TMA multicast: one CTA per cluster
   return c;
 }
 
 std::string check_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& c) {
   const std::string sm90 = " is not supported on sm_90";
-  if (pr.block_m != 64 && pr.block_m != 128)
-    return "block_m=" + std::to_string(pr.block_m) + sm90 +
-           "; use 64 or 128 (and the same block_m for moe_align)";
+  const std::string block_ms = list_values(TileBlockMs{});
+  const std::string block_ns = list_values(TileBlockNs{});
+  if (!contains(TileBlockMs{}, pr.block_m))
+    return "block_m=" + std::to_string(pr.block_m) + sm90 + "; use " + block_ms +
+           " (and the same block_m for moe_align)";
   if (pr.dim <= 0 || pr.dim % kDimMultiple != 0)
     return "dim=" + std::to_string(pr.dim) + sm90 + "; it must be a positive multiple of " +
            std::to_string(kDimMultiple);
@@ -171,21 +224,35 @@ std::string check_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf
            ", num_experts=" + std::to_string(pr.num_experts) +
            " are too large: rows, pairs and weight rows must "
            "stay below 2^31 (and T*D/8 below 2^32)";
-  if (c.block_n != 64 && c.block_n != 128)
-    return "block_n=" + std::to_string(c.block_n) + sm90 +
-           "; use 64, 128 or 0 for the tuned choice";
-  if (c.warp_n != kConsumerWarpgroups)
-    return "warp_n=" + std::to_string(c.warp_n) + sm90 +
-           "; use 2 (two consumer warpgroups) or 0 for the tuned choice";
-  const int limit = max_stages(int(pr.block_m), c.block_n, pr.device);
-  if (c.stages < kMinStages || c.stages > limit)
-    return "stages=" + std::to_string(c.stages) + sm90 +
-           " at block_m=" + std::to_string(pr.block_m) + ", block_n=" + std::to_string(c.block_n) +
-           "; use " + std::to_string(kMinStages) + ".." + std::to_string(limit) +
-           " (shared memory) or 0 for the tuned choice";
   if (c.bpc < 1) return "bpc=" + std::to_string(c.bpc) + " must be at least 1";
-  if (c.cpc != 1)
+  if (c.cpc != 0 && c.cpc != 1)
     return "cpc=" + std::to_string(c.cpc) + sm90 + " (no TMA multicast in this kernel); use 1 or 0";
+  if (c.warp_n == 4 || c.warp_n == 8) {
+    if (!is_original_tile(c.block_n, c.warp_n))
+      return "block_n=" + std::to_string(c.block_n) + " with warp_n=" + std::to_string(c.warp_n) +
+             sm90 + "; the original's tiles are (block_n, warp_n) = (64, 4) or (32, 8), and " +
+             "this kernel's block_n " + block_ns + " with warp_n 0 or 2";
+    if (c.stages < 0 || c.stages > 5)
+      return "stages=" + std::to_string(c.stages) + sm90 +
+             " with the original's tiles; use 1..5 or 0 for the tuned choice";
+  } else if (c.warp_n == 0 || c.warp_n == kConsumerWarpgroups) {
+    if (c.block_n != 0 && !is_instantiated(int(pr.block_m), c.block_n))
+      return "block_n=" + std::to_string(c.block_n) + sm90 + "; use " + block_ns +
+             ", 0 for the tuned choice, or the original's (64, 4) / (32, 8) with warp_n";
+    if (c.stages != 0) {
+      const FusedMoeBf16Config resolved = resolve_fused_moe_bf16_config(pr, c);
+      const int limit = max_stages(int(pr.block_m), resolved.block_n, pr.device);
+      if (c.stages < kMinStages || c.stages > limit)
+        return "stages=" + std::to_string(c.stages) + sm90 +
+               " at block_m=" + std::to_string(pr.block_m) +
+               ", block_n=" + std::to_string(resolved.block_n) + "; use " +
+               std::to_string(kMinStages) + ".." + std::to_string(limit) +
+               " (shared memory) or 0 for the tuned choice";
+    }
+  } else {
+    return "warp_n=" + std::to_string(c.warp_n) + sm90 +
+           "; use 0 or 2 (this kernel's two consumer warpgroups), or the original's 4 or 8";
+  }
   if (pr.num_tokens > 0 &&
       (!aligned16(pr.x) || !aligned16(pr.w) || !aligned16(pr.w2) || !aligned16(pr.out)))
     return "x, w, w2 and out must be 16-byte aligned (TMA and 16-byte copies)";
@@ -201,7 +268,7 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
                                   void* workspace, cudaStream_t stream) {
   if (pr.num_tokens == 0) return cudaSuccess;  // out is empty
   const Workspace ws = carve_workspace(pr, c.split, workspace);
-  const int num_sms = device_attribute(cudaDevAttrMultiProcessorCount, pr.device);
+  const int num_sms = usable_sms(pr.device);
   if (num_sms == 0) return cudaErrorInvalidDevice;
   const int num_pairs = int(pr.num_tokens * pr.top_k);
   cudaError_t err;
@@ -224,7 +291,7 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
     g.num_experts = E;
     g.stages = c.stages;
 
-    // Gate/up: A gathered from x (no tensor map; tmap_b is passed twice as a filler).
+    // Gate/up: A gathered from x (no tensor map; tmap_w is passed twice as a filler).
     CUtensorMap tmap_w, tmap_h, tmap_w2;
     err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_w, pr.w, uint64_t(E) * 2 * H, D, c.block_n);
     if (err != cudaSuccess) return err;
@@ -236,9 +303,6 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
     gate_up.n_dim = H;
     gate_up.b_rows_per_expert = 2 * H;
     gate_up.b_second_offset = H;
-    err = dispatch_gemm<GateUpSwiglu, 1>(int(pr.block_m), c.block_n, tmap_w, tmap_w, gate_up,
-                                         num_sms, stream);
-    if (err != cudaSuccess) return err;
 
     err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_h, ws.h, uint64_t(pr.max_padded), H,
                                                 uint32_t(pr.block_m));
@@ -252,10 +316,15 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
     down.n_dim = D;
     down.b_rows_per_expert = D;
     down.b_second_offset = 0;
-    err = c.split ? dispatch_gemm<DownStore, 2>(int(pr.block_m), c.block_n, tmap_h, tmap_w2, down,
-                                                num_sms, stream)
-                  : dispatch_gemm<DownAtomic, 2>(int(pr.block_m), c.block_n, tmap_h, tmap_w2, down,
-                                                 num_sms, stream);
+
+    const bool found = with_forward_kernels(int(pr.block_m), c.block_n, [&](auto kernels) {
+      using K = decltype(kernels);
+      err = launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
+      if (err != cudaSuccess) return;
+      err = c.split ? launch_gemm<typename K::DownStore>(tmap_h, tmap_w2, down, num_sms, stream)
+                    : launch_gemm<typename K::DownAtomic>(tmap_h, tmap_w2, down, num_sms, stream);
+    });
+    if (!found) return cudaErrorInvalidValue;  // unreachable after check_fused_moe_bf16
     if (err != cudaSuccess) return err;
   }
   if (c.split) {
@@ -268,14 +337,22 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
 }
 
 std::string describe_fused_moe_bf16_config(const FusedMoeBf16Problem& pr,
+                                           const FusedMoeBf16Config& requested,
                                            const FusedMoeBf16Config& c) {
   const std::string bm = std::to_string(pr.block_m);
-  return "fused_moe_bf16 sm_90a: block_m=" + bm + " block_n=" + std::to_string(c.block_n) +
-         " (gate/up tile " + bm + "x(" + std::to_string(c.block_n) + "+" +
-         std::to_string(c.block_n) + "), down tile " + bm + "x" + std::to_string(2 * c.block_n) +
-         ") warp_n=" + std::to_string(c.warp_n) + " stages=" + std::to_string(c.stages) +
-         " bpc=" + std::to_string(c.bpc) + " cpc=" + std::to_string(c.cpc) +
-         (c.split ? " split=true" : " split=false") + " gather=cp.async+swizzle";
+  const std::string bn = std::to_string(c.block_n);
+  std::string text =
+      "fused_moe_bf16 sm_90a: block_m=" + bm + " block_n=" + bn + " (gate/up tile " + bm + "x(" +
+      bn + "+" + bn + "), down tile " + bm + "x" + std::to_string(2 * c.block_n) +
+      ") consumer warpgroups=" + std::to_string(c.warp_n) + " stages=" + std::to_string(c.stages) +
+      " bpc=" + std::to_string(c.bpc) + " cpc=" + std::to_string(c.cpc) +
+      (c.split ? " split=true" : " split=false") + " sms=" + std::to_string(usable_sms(pr.device)) +
+      " gather=cp.async+swizzle; asked block_n=" + std::to_string(requested.block_n) +
+      " warp_n=" + std::to_string(requested.warp_n) +
+      " stages=" + std::to_string(requested.stages) + " cpc=" + std::to_string(requested.cpc);
+  if (requested.warp_n == 4 || requested.warp_n == 8)
+    text += " (the original's Blackwell tile: the tuned tile here)";
+  return text;
 }
 
 }  // namespace prime_moe

@@ -28,7 +28,10 @@ struct FusedMoeBf16Problem {
   int device;  // CUDA device of every tensor: the tuned config is read from its properties
 };
 
-// The tuning arguments of the op. 0 means "the kernel's own choice for this shape".
+// The tuning arguments of the op, as the caller gave them. block_m and bpc describe
+// moe_align's layout and are taken as they are; block_n, warp_n, stages and cpc are hints
+// (resolve_fused_moe_bf16_config says what each becomes on sm_90). 0 means "the kernel's
+// own choice for this shape".
 struct FusedMoeBf16Config {
   int block_n = 0;
   int warp_n = 0;
@@ -38,28 +41,36 @@ struct FusedMoeBf16Config {
   bool split = true;
 };
 
-// Resolves 0s to the tuned choice for this problem; explicit values are kept.
-FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& problem,
-                                                 FusedMoeBf16Config requested);
-
-// Empty when the problem and the resolved config can run; otherwise one sentence naming
-// the argument, its value and what sm_90 requires. Called before any launch.
+// Empty when the problem and the requested tuning values can run; otherwise one sentence
+// naming the argument, its value and what sm_90 accepts. Called before any launch.
 std::string check_fused_moe_bf16(const FusedMoeBf16Problem& problem,
-                                 const FusedMoeBf16Config& config);
+                                 const FusedMoeBf16Config& requested);
+
+// The one place tiles are chosen: what the kernels run for this problem, given checked
+// hints. Every field of the result is one of the instantiated kernels' values.
+FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& problem,
+                                                 const FusedMoeBf16Config& requested);
 
 // Bytes of scratch device memory the launch needs (the caller allocates it with the
 // framework's allocator and passes it in; 256-byte aligned).
 size_t fused_moe_bf16_workspace_bytes(const FusedMoeBf16Problem& problem,
                                       const FusedMoeBf16Config& config);
 
-// Enqueues the forward on `stream`. No host synchronization. split=true writes every
-// element of out; split=false adds into out, which the caller zeroed.
+// Enqueues the forward on `stream` with a resolved config. No host synchronization.
+// split=true writes every element of out; split=false adds into out, which the caller
+// zeroed.
 cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& problem,
                                   const FusedMoeBf16Config& config, void* workspace,
                                   cudaStream_t stream);
 
-// One line describing the resolved config (printed when PRIME_MOE_PRINT_CONFIG=1).
+// One line: the resolved config, and what each hint became (PRIME_MOE_PRINT_CONFIG=1).
 std::string describe_fused_moe_bf16_config(const FusedMoeBf16Problem& problem,
+                                           const FusedMoeBf16Config& requested,
                                            const FusedMoeBf16Config& config);
+
+// The most SMs the persistent kernels use (0: all of the device's), so that kernels
+// running alongside (communication, say) keep the rest. Process-wide.
+void set_num_sms(int num_sms);
+int num_sms_setting();
 
 }  // namespace prime_moe

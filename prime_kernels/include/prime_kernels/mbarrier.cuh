@@ -1,4 +1,5 @@
-// mbarrier and cp.async helpers (sm_90) for producer/consumer shared-memory rings.
+// mbarrier, cp.async, named-barrier and register-budget helpers (sm_90) for warp-specialized
+// producer/consumer kernels.
 #pragma once
 
 #include <cstdint>
@@ -60,6 +61,19 @@ __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
 // (wgmma, TMA) accesses.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// True in every thread of the calling warpgroup when pred holds in any of its 128 threads
+// (named barrier `id`, not 0, which __syncthreads uses).
+__device__ __forceinline__ bool warpgroup_any(bool pred, int id) {
+  uint32_t any;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\n"
+      "barrier.cta.red.or.pred q, %2, 128, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(uint32_t(pred)), "r"(id)
+      : "memory");
+  return any != 0;
 }
 
 // Register budget per warpgroup (sm_90a); needs a register cap at entry

@@ -48,8 +48,31 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kRegs]) {
 template <int N>
 struct WgmmaBf16;
 
+// What every bf16 atom shares: K = 16 per instruction, so the descriptors advance by
+// 32 bytes (2 in their 16-byte address units) per K step.
+struct WgmmaBf16K16 {
+  static constexpr int kK = 16;
+  static constexpr int kDescK = 16 * 2 / 16;
+};
+
+// Row and column, inside the warpgroup's 64 x N accumulator tile, of the calling thread's
+// registers 4*j + 2*i + c (c = 0, 1 are adjacent columns).
+__device__ __forceinline__ int wgmma_acc_row(int i) {
+  return ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4 + 8 * i;
+}
+__device__ __forceinline__ int wgmma_acc_col(int j) {
+  return 8 * j + 2 * (threadIdx.x % 4);
+}
+
+// Element f of several accumulator arrays read as one flat array (f is a compile-time
+// constant after unrolling, so this stays in registers).
+template <int kMmas, int kRegs>
+__device__ __forceinline__ float wgmma_acc_at(const float (&acc)[kMmas][kRegs], int f) {
+  return acc[f / kRegs][f % kRegs];
+}
+
 template <>
-struct WgmmaBf16<32> {
+struct WgmmaBf16<32> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 16;
   __device__ __forceinline__ static void mma(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {
@@ -66,7 +89,7 @@ struct WgmmaBf16<32> {
 };
 
 template <>
-struct WgmmaBf16<64> {
+struct WgmmaBf16<64> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 32;
   __device__ __forceinline__ static void mma(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {
@@ -86,7 +109,7 @@ struct WgmmaBf16<64> {
 };
 
 template <>
-struct WgmmaBf16<128> {
+struct WgmmaBf16<128> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 64;
   __device__ __forceinline__ static void mma(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {
@@ -112,7 +135,7 @@ struct WgmmaBf16<128> {
 };
 
 template <>
-struct WgmmaBf16<256> {
+struct WgmmaBf16<256> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 128;
   __device__ __forceinline__ static void mma(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {

@@ -1,6 +1,8 @@
-// Persistent tile scheduler of the fused MoE GEMMs: a static round-robin over
-// (expert block, n tile) tiles whose count is only known on the device (it depends on
-// num_tokens_post_padded), so CUDA graphs can capture the launch.
+// Tile schedulers of the fused MoE GEMMs. MoeTileScheduler, M-grouped: a static
+// round-robin over (expert block, n tile) tiles whose count is only known on the device (it
+// depends on num_tokens_post_padded), so CUDA graphs can capture the launch. (A K-grouped
+// scheduler, one weight-gradient tile per (expert, m, n) reducing over the expert's rows,
+// is the other kind that belongs here.)
 #pragma once
 
 #include <cstdint>

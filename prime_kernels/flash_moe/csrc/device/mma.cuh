@@ -1,0 +1,71 @@
+// The consumer's K loop over the stage ring for one tile: per K slice, wgmma from shared
+// memory into fp32 registers, keeping one slice's wgmmas in flight and handing the stage
+// before it back to the producer. The MMA atom is a parameter (Consumers::Mma, bf16 wgmma
+// k16 today), so an fp8 atom or a dequantizing step slots in without another loop.
+#pragma once
+
+#include <cstdint>
+
+#include "prime_kernels/mbarrier.cuh"
+#include "prime_kernels/pipeline.cuh"
+#include "prime_kernels/wgmma.cuh"
+
+namespace prime_moe {
+
+template <class Tile, class Consumers, bool kFenceGenericWrites>
+struct WarpgroupMainloop {
+  using Mma = typename Consumers::Mma;
+  using Accumulators = float[Consumers::kNumMma][Mma::kAccRegs];
+
+  // A tile this warpgroup has no work in (a 64-row half of padding) only passes its
+  // stages through, so the ring stays in step with the producer.
+  __device__ __forceinline__ static void skip(const prime_kernels::StageRing& ring,
+                                              prime_kernels::RingState& rs, int num_k_blocks) {
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ring.consumer_wait(rs);
+      ring.consumer_release(rs.stage);
+      rs.advance(ring.stages);
+    }
+  }
+
+  // acc = A[m_offset .. + 64) x B[n_offset .. + kNumMma * kMmaN)^T over all K slices.
+  __device__ __forceinline__ static void run(Accumulators& acc,
+                                             const prime_kernels::StageRing& ring,
+                                             prime_kernels::RingState& rs, uint8_t* smem_a,
+                                             uint8_t* smem_b, int m_offset, int n_offset,
+                                             int num_k_blocks) {
+    using namespace prime_kernels;
+    int prev_stage = 0;
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ring.consumer_wait(rs);
+      // cp.async wrote the A tile through the generic proxy; wgmma reads through the
+      // async proxy.
+      if constexpr (kFenceGenericWrites) fence_proxy_async_shared();
+      const uint64_t desc_a =
+          make_smem_desc_sw128(smem_a + size_t(rs.stage) * Tile::kABytes + m_offset * 128);
+      const uint64_t desc_b =
+          make_smem_desc_sw128(smem_b + size_t(rs.stage) * Tile::kBBytes + n_offset * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Tile::kBlockK / Mma::kK; ++kk) {
+#pragma unroll
+        for (int b = 0; b < Consumers::kNumMma; ++b)
+          Mma::mma(acc[b], desc_a + Mma::kDescK * kk,
+                   desc_b + (b * Tile::kBlockN * 128 >> 4) + Mma::kDescK * kk, (kb | kk) != 0);
+      }
+      wgmma_commit();
+      // Keep this K slice's wgmmas in flight; the previous slice's are done, so its stage
+      // goes back to the producer.
+      wgmma_wait<1>();
+      if (kb > 0) ring.consumer_release(prev_stage);
+      prev_stage = rs.stage;
+      rs.advance(ring.stages);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int b = 0; b < Consumers::kNumMma; ++b) wgmma_fence_operands(acc[b]);
+    ring.consumer_release(prev_stage);
+  }
+};
+
+}  // namespace prime_moe

@@ -1,0 +1,72 @@
+// Geometry of one CTA tile of the fused MoE GEMMs and of its pipeline stage, and the
+// consumer schedule that splits the tile between the consumer warpgroups. The launcher
+// sizes shared memory and the ring from the same struct the kernel is instantiated with.
+#pragma once
+
+#include <cstddef>
+
+#include "prime_kernels/pipeline.cuh"
+#include "prime_kernels/wgmma.cuh"
+
+namespace prime_moe {
+
+// kBlockM rows (one moe_align block: every row of it belongs to one expert) times kBlockN
+// output columns; a stage holds one 64-wide K slice of A (kBlockM x 64) and kNumB weight
+// tiles of kBlockN x 64 (gate and up for the first GEMM, one w2 tile for the second).
+template <int kBlockM_, int kBlockN_, int kNumB_>
+struct MoeGemmTile {
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNumB = kNumB_;
+  static constexpr int kBlockK = 64;  // one 128-byte swizzle row of bf16
+  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kBBytes = kNumB * kBlockN * kBlockK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+
+  static_assert(kBlockM == 64 || kBlockM == 128, "a block is one or two wgmma M of 64 rows");
+  static_assert(kNumB * kBlockN <= 512 && kBlockN <= 256, "TMA box rows are at most 256");
+  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
+                "stage buffers keep the 1024-byte alignment of the 128B swizzle atom");
+
+  // Stage buffers (A of every stage, then B of every stage), then the ring's barriers.
+  static constexpr size_t smem_bytes(int stages) {
+    return 1024 /* alignment slack */ + size_t(stages) * kStageBytes +
+           prime_kernels::StageRing::barrier_bytes(stages);
+  }
+};
+
+// Cooperative consumers: two warpgroups share each tile. With block_m = 128 each takes 64
+// rows and all columns; with block_m = 64 both take the 64 rows and half the columns each.
+// (A ping-pong schedule, each warpgroup on its own tile so one's epilogue runs under the
+// other's mainloop, is the other part that fits here.)
+template <class Tile>
+struct CooperativeConsumers {
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kWgM = Tile::kBlockM / 64;
+  static constexpr int kWgN = kWarpgroups / kWgM;
+  static constexpr int kWgCols = Tile::kBlockN / kWgN;
+  // With block_m = 128 a warpgroup's kNumB tiles sit back to back in shared memory, so one
+  // m64n(kNumB * block_n) wgmma covers them (A is read once per K step, half the
+  // instructions); with block_m = 64 the warpgroup's column halves are apart: one each.
+  static constexpr bool kFuseB = kWgN == 1;
+  static constexpr int kNumMma = kFuseB ? 1 : Tile::kNumB;
+  static constexpr int kMmaN = kFuseB ? Tile::kNumB * Tile::kBlockN : kWgCols;
+  using Mma = prime_kernels::WgmmaBf16<kMmaN>;
+  // Register split (sm_90a setmaxnreg): 128 * (40 + 2 * 232) = 64512 <= 65536. Each
+  // consumer holds up to 128 fp32 accumulators (two 64x128 or one 64x256 tile).
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+
+  static_assert(kWgM * kWgN == kWarpgroups, "the warpgroups cover the tile once");
+  static_assert(kMmaN == 32 || kMmaN == 64 || kMmaN == 128 || kMmaN == 256,
+                "wgmma N must be one of the instantiated shapes");
+  static_assert(kNumMma * Mma::kAccRegs <= 128,
+                "accumulators must fit the consumer register budget");
+
+  __device__ __forceinline__ static int m_offset(int consumer) { return (consumer % kWgM) * 64; }
+  __device__ __forceinline__ static int n_offset(int consumer) {
+    return (consumer / kWgM) * kWgCols;
+  }
+};
+
+}  // namespace prime_moe
