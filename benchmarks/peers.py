@@ -10,7 +10,10 @@ Every implementation computes, from x (T, D) bf16, w (E, 2H, D) bf16 (rows [0, H
 callable whose every call is one whole forward as a user pays it; ``forward_backward(...,
 grad_out)`` likewise returns a callable that runs forward and backward and returns the
 gradients (dx, dw, dw2) in our layouts (autograd w.r.t. fresh leaf copies of x, w, w2).
-``Skip`` carries the one-line reason an implementation cannot run.
+``settings()`` says what it ran with (autotune, layout flags), for the raw numbers' meta;
+``recover(failure=..., rel_err=...)`` may change a setting after a failed or wrong first call
+and say which (the harness then tries once more); ``row_note()`` is a line for its rows.
+``Skip`` (harness.Skip) carries the one-line reason an implementation cannot run.
 
 Peers (wheels from scripts/fetch-peer-wheels, installed into PYTHONPATH):
 
@@ -33,20 +36,19 @@ Peers (wheels from scripts/fetch-peer-wheels, installed into PYTHONPATH):
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
 import site
 
+from harness import Skip, first_line, package_version
+
+# far above bf16 rounding (~6e-3 here): SonicMoE read the gate/up rows in the wrong layout
+WRONG_LAYOUT_REL_ERR = 0.2
 VLLM_REASON = (
     "vLLM's Triton fused_moe is not timed: vllm 0.33.0 pins torch==2.14.0, and "
     "vllm/model_executor/layers/fused_moe/fused_moe.py imports vllm._custom_ops (vLLM's "
     "compiled extensions, built for that torch), vllm.envs, vllm.platforms and the rest of "
     "the package at import time, so the kernel does not import standalone under another torch"
 )
-
-
-class Skip(Exception):
-    """An implementation cannot run here; str() is the one-line reason."""
 
 
 def activate_pth_files() -> None:
@@ -64,13 +66,6 @@ def activate_pth_files() -> None:
                 pass
 
 
-def dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def peer_versions() -> dict[str, str | None]:
     names = (
         "liger-kernel",
@@ -82,12 +77,7 @@ def peer_versions() -> dict[str, str | None]:
         "triton",
         "torch",
     )
-    return {name: dist_version(name) for name in names}
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+    return {name: package_version(name) for name in names}
 
 
 class Impl:
@@ -97,6 +87,15 @@ class Impl:
 
     def prepare(self, w, w2):
         return (w, w2)
+
+    def settings(self) -> dict:
+        return {}
+
+    def recover(self, failure=None, rel_err=None) -> str | None:
+        return None
+
+    def row_note(self) -> str | None:
+        return None
 
     def forward(self, state, x, topk_ids, topk_weights):
         raise NotImplementedError
@@ -155,6 +154,9 @@ class Ours(Impl):
         self.split = split
         self.name = f"ours split={split}"
 
+    def settings(self):
+        return {"split": self.split, "block_m": self.fm.BLOCK_M}
+
     def prepare(self, w, w2):
         reason_fn = getattr(self.fm, "unsupported_shape_reason", None)
         if reason_fn is not None:
@@ -210,14 +212,18 @@ class Liger(Impl):
         try:
             from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
         except Exception as exc:  # ImportError and whatever its imports raise
-            raise Skip(f"liger-kernel not importable ({_first_line(exc)})") from None
+            raise Skip(f"liger-kernel not importable ({first_line(exc)})") from None
         self.fn = LigerFusedMoEFunction
         import liger_kernel.ops.fused_moe_kernels as kernels
 
-        tuned = not getattr(kernels, "_AUTOTUNE_DISABLED", False)
+        self.tuned = not getattr(kernels, "_AUTOTUNE_DISABLED", False)
         self.note = (
-            f"liger-kernel {dist_version('liger-kernel')}, autotune {'on' if tuned else 'off'}"
+            f"liger-kernel {package_version('liger-kernel')}, "
+            f"autotune {'on' if self.tuned else 'off'}"
         )
+
+    def settings(self):
+        return {"autotune": self.tuned}
 
     def forward(self, state, x, topk_ids, topk_weights):
         import torch
@@ -261,7 +267,7 @@ class Sonic(Impl):
             import sonicmoe.functional as functional
             from sonicmoe.enums import ActivationType
         except Exception as exc:
-            raise Skip(f"sonic-moe not importable ({_first_line(exc)})") from None
+            raise Skip(f"sonic-moe not importable ({first_line(exc)})") from None
         self.general = sonicmoe.moe_general_routing_inputs
         self.swiglu = ActivationType.SWIGLU
         self.tuned = tuned
@@ -284,17 +290,49 @@ class Sonic(Impl):
                     if fn is not None and not isinstance(fn, functools.partial):
                         setattr(mod, fn_name, functools.partial(fn, tuned=False))
         del functional
-        self.concat = True  # set False by the caller if concat_layout proves wrong
-        self.inference = True  # set False if is_inference_mode_enabled=True fails
+        self.concat = True  # set False by recover() if concat_layout proves wrong
+        self.inference = True  # set False by recover() if is_inference_mode_enabled=True fails
         versions = ", ".join(
-            f"{n} {dist_version(n)}" for n in ("sonic-moe", "quack-kernels", "nvidia-cutlass-dsl")
+            f"{n} {package_version(n)}"
+            for n in ("sonic-moe", "quack-kernels", "nvidia-cutlass-dsl")
         )
         self.note = f"{versions}, autotune {'on' if tuned else 'off'}"
 
+    def settings(self):
+        return {
+            "autotune": self.tuned,
+            "concat_layout": self.concat,
+            "is_inference_mode_enabled": self.inference,
+        }
+
+    def recover(self, failure=None, rel_err=None):
+        if failure is not None and self.inference:
+            self.inference = False
+            return (
+                f"is_inference_mode_enabled=True failed ({first_line(failure)}); "
+                "retrying with False"
+            )
+        if rel_err is not None and self.concat and rel_err > WRONG_LAYOUT_REL_ERR:
+            self.concat = False
+            return (
+                f"concat_layout=True gives rel err {rel_err:.2e}; trying interleaved gate/up rows"
+            )
+        return None
+
+    def row_note(self):
+        return f"concat_layout={self.concat}, is_inference_mode_enabled={self.inference}"
+
     def prepare(self, w, w2):
-        # (2H, D, E): a view of ours (gate rows then up rows), or an interleaved copy
-        w1 = (w if self.concat else _interleave_gate_up(w)).permute(1, 2, 0)
-        return (w1, w2.permute(1, 2, 0))  # w2 (D, H, E) view
+        return {"w": w, "w2": w2.permute(1, 2, 0)}  # w2 (D, H, E) view
+
+    def _w1(self, state):
+        """(2H, D, E): a view of ours (gate rows then up rows), or, once concat_layout has
+        proved wrong, an interleaved copy made outside any timed region."""
+        key = "w1" if self.concat else "w1_interleaved"
+        if key not in state:
+            w = state["w"]
+            state[key] = (w if self.concat else _interleave_gate_up(w)).permute(1, 2, 0)
+        return state[key]
 
     def _routing(self, x, topk_ids, topk_weights):
         import torch
@@ -332,7 +370,7 @@ class Sonic(Impl):
     def forward(self, state, x, topk_ids, topk_weights):
         import torch
 
-        w1, w2 = state
+        w1, w2 = self._w1(state), state["w2"]
         scores, token, expert = self._routing(x, topk_ids, topk_weights)
         call = self._call
 

@@ -1,0 +1,867 @@
+"""What every op's benchmark shares: timing (Timer, Budget), ceilings, the run's
+environment, memory helpers, the timing loop over implementations (Session), tables,
+geometric means, the results-file sections, the raw JSON, the common command-line flags
+and the checks a self-test makes of what a run wrote.
+
+A benchmark's rows are dicts with at least ``impl`` (the name in the table), ``kind``
+(``"ours"``, ``"baseline"`` or ``"peer"``), ``config``, ``T`` (tokens), ``ms`` and, after
+:func:`add_speedups`, ``speedup`` (``{other impl: other ms / this ms}``). The results file
+is markdown whose op sections sit between ``<!-- OP:NAME -->`` and ``<!-- /OP:NAME -->``;
+a run rewrites its own sections and leaves every other byte of the file as it was.
+
+Nothing here imports torch or triton at module level, so a parent process that only
+orchestrates (benchmarks/ab.py) stays light.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS_DIR = HERE / "results"  # raw numbers of full runs, one JSON per op and section
+
+
+class Skip(Exception):
+    """An implementation cannot run here; str() is the one-line reason."""
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def log(msg=""):
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Median of CUDA-event timings through triton's do_bench, which zeroes a buffer larger
+    than L2 before every call, so each call reads its inputs from HBM. On CPU (self-tests
+    only) the wall-clock median of five calls after one warm-up."""
+
+    def __init__(self, device, warmup_ms: float, rep_ms: float):
+        self.device = device
+        self.warmup_ms = warmup_ms
+        self.rep_ms = rep_ms
+
+    def sync(self):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def first_call(self, fn):
+        """(fn's result, seconds to it): the first call pays for autotuning, JIT and
+        workspace allocation, which the median leaves out."""
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        return out, time.perf_counter() - t0
+
+    def median_ms(self, fn) -> float:
+        if self.device.type == "cuda":
+            from triton.testing import do_bench
+
+            return float(do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        return times[len(times) // 2]
+
+    def method(self) -> dict:
+        if self.device.type == "cuda":
+            return {
+                "method": "triton.testing.do_bench (CUDA events)",
+                "statistic": "median",
+                "warmup_ms": self.warmup_ms,
+                "rep_ms": self.rep_ms,
+                "l2_flush": True,
+            }
+        return {
+            "method": "time.perf_counter, 5 calls after 1 warm-up",
+            "statistic": "median",
+            "l2_flush": False,
+        }
+
+
+def timing_sentence(meta) -> str:
+    return (
+        f"Median of CUDA-event timings (triton do_bench, L2 flushed, warmup "
+        f"{meta['warmup_ms']:g} ms, rep {meta['rep_ms']:g} ms)."
+    )
+
+
+SPEEDUP_LEGEND = "`x vs P` = P's ms / this row's ms (above 1: this row is faster)."
+
+
+class Budget:
+    """Wall-clock allowance of a run: once spent, no new row starts, and the rows already
+    timed are still written (a device session has a hard per-command limit)."""
+
+    def __init__(self, seconds: float, started: float):
+        self.seconds = seconds
+        self.started = started
+        self.spent = False
+
+    def over(self) -> bool:
+        if not self.spent and time.time() - self.started > self.seconds:
+            self.spent = True
+            log(f"budget of {self.seconds:.0f} s spent: skipping the remaining rows")
+        return self.spent
+
+
+# --------------------------------------------------------------------------- ceilings
+
+
+def _gemm_ms(timer, device, n):
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return timer.median_ms(lambda: torch.matmul(a, b))
+
+
+def _copy_ms(timer, device, nbytes):
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    return timer.median_ms(lambda: dst.copy_(src))
+
+
+def measure_ceilings(timer, device, small: bool) -> dict:
+    """This machine's dense bf16 GEMM rate and device-to-device copy bandwidth (bytes read
+    plus written), measured in the same run as the rows they are fractions of."""
+    n = 256 if small else 8192
+    gemm_ms = _gemm_ms(timer, device, n)
+    nbytes = (64 << 20) if small else (2 << 30)
+    copy_ms = _copy_ms(timer, device, nbytes)
+    free_memory(device)
+    return {
+        "gemm_n": n,
+        "gemm_ms": gemm_ms,
+        "gemm_tflops": 2 * n**3 / (gemm_ms * 1e-3) / 1e12,
+        "copy_bytes": nbytes,
+        "copy_ms": copy_ms,
+        "copy_gbps": 2 * nbytes / (copy_ms * 1e-3) / 1e9,
+    }
+
+
+def ceilings_line(c) -> str:
+    return (
+        f"ceilings: dense bf16 GEMM {c['gemm_n']}^3 {c['gemm_tflops']:.1f} "
+        f"TFLOP/s; device copy {c['copy_gbps']:.0f} GB/s (read + written, "
+        f"{c['copy_bytes'] / 2**30:.2f} GiB)"
+    )
+
+
+def ceilings_sentence(c) -> str:
+    return (
+        f"Ceilings measured in this run: dense bf16 GEMM ({c['gemm_n']}³, "
+        f"torch.matmul, random data) **{c['gemm_tflops']:.1f} TFLOP/s**; "
+        f"device-to-device copy **{c['copy_gbps']:.0f} GB/s** (bytes read + "
+        f"written, {c['copy_bytes'] / 2**30:g} GiB)."
+    )
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def free_memory(device):
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def context_alive(device) -> bool:
+    """False once the CUDA context has a sticky error (an illegal address, a trap): every
+    later launch in this process would fail too."""
+    import torch
+
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        torch.empty(1, device=device).add_(1)
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:
+        return False
+
+
+def peak_memory_gb(fn, device):
+    """(peak GB allocated during one call of fn, peak minus what was allocated before it);
+    (None, None) off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return None, None
+    free_memory(device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) / 1e9
+    return peak, peak - base / 1e9
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(root, *args):
+    return subprocess.run(
+        ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+    )
+
+
+def git_commit(root=ROOT) -> str:
+    """Short HEAD (``-dirty`` with tracked changes) of the git checkout whose top is
+    ``root``; a tree inside another checkout (a copy under scratch/) or one without .git
+    (a device machine's copy) falls back to PRIME_KERNELS_COMMIT, then to the commit its
+    build recorded."""
+    root = Path(root)
+    try:
+        top = _git(root, "rev-parse", "--show-toplevel")
+        if top.returncode == 0 and os.path.samefile(top.stdout.strip(), root):
+            head = _git(root, "rev-parse", "--short", "HEAD").stdout.strip()
+            dirty = _git(root, "status", "--porcelain", "--untracked-files=no").stdout
+            if head:
+                return head + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    env = os.environ.get("PRIME_KERNELS_COMMIT")
+    if env:
+        return env
+    try:
+        built = json.loads((root / "prime_kernels" / "_build_info.json").read_text())
+        if built.get("git_commit"):
+            return f"{built['git_commit'][:12]} (build info)"
+    except (OSError, ValueError):
+        pass
+    return "unknown"
+
+
+def gpu_driver() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
+def run_meta(argv, root=ROOT) -> dict:
+    """What a run is, without touching a device: date, the exact command, commit, Python."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "commit": git_commit(root),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "cwd": os.getcwd(),
+    }
+
+
+def device_meta(device) -> dict:
+    import torch
+
+    cuda = device.type == "cuda"
+    return {
+        "gpu": (torch.cuda.get_device_name(device) if cuda else platform.processor()) or "cpu",
+        "driver": gpu_driver() if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": package_version("triton"),
+    }
+
+
+def environment(device, argv, timer, root=ROOT) -> dict:
+    return {
+        **run_meta(argv, root),
+        **device_meta(device),
+        "timing": timer.method(),
+        "warmup_ms": timer.warmup_ms,
+        "rep_ms": timer.rep_ms,
+    }
+
+
+def impls_meta(impls) -> dict:
+    """Each implementation's kind, note and settings; read at the end of a run, since an
+    implementation may change a setting during it (``recover``)."""
+    return {i.name: {"kind": i.kind, "note": i.note, "settings": i.settings()} for i in impls}
+
+
+def header_line(meta) -> str:
+    return f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | commit {meta['commit']}"
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def fmt(v, spec=".3f", none=""):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return none
+    return format(v, spec)
+
+
+def fmt_ms(ms):
+    return fmt(ms, ".4f" if ms < 0.1 else ".3f")
+
+
+def geomean(xs):
+    xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def add_speedups(shape_rows):
+    """Sets each row's ``speedup`` against every other row of the same shape; our variants
+    are not compared with each other."""
+    times = {r["impl"]: r["ms"] for r in shape_rows}
+    for r in shape_rows:
+        r["speedup"] = {
+            name: ms / r["ms"]
+            for name, ms in times.items()
+            if name != r["impl"] and not (r["kind"] == "ours" and name.startswith("ours"))
+        }
+
+
+def geomeans(rows, large_T):
+    """For every ours impl and every other impl: geometric mean of the speedup over the
+    shapes where both ran, over T in ``large_T`` and over all T."""
+    out = []
+    ours = list(dict.fromkeys(r["impl"] for r in rows if r["kind"] == "ours"))
+    others = list(dict.fromkeys(r["impl"] for r in rows if r["kind"] != "ours"))
+    for o in ours:
+        for other in others:
+            ratios_all, ratios_large = [], []
+            for r in rows:
+                if r["impl"] != o or other not in r["speedup"]:
+                    continue
+                ratios_all.append(r["speedup"][other])
+                if r["T"] in large_T:
+                    ratios_large.append(r["speedup"][other])
+            if ratios_all:
+                out.append(
+                    {
+                        "ours": o,
+                        "vs": other,
+                        "large_T": geomean(ratios_large),
+                        "n_large": len(ratios_large),
+                        "all": geomean(ratios_all),
+                        "n_all": len(ratios_all),
+                    }
+                )
+    return out
+
+
+def geomean_lines(gms, large_T):
+    lines = []
+    for g in gms:
+        large = (
+            f"{g['large_T']:.2f}x over T in {{{', '.join(map(str, large_T))}}} "
+            f"({g['n_large']} shapes)"
+            if g["large_T"]
+            else "no large-T shapes"
+        )
+        lines.append(
+            f"{g['ours']} vs {g['vs']}: {large}; {g['all']:.2f}x over all ({g['n_all']} shapes)"
+        )
+    return lines
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class Session:
+    """One run: its device, timer and budget, what was skipped and why, and whether the
+    CUDA context still works (after a sticky error every later launch fails, so the run
+    stops there and writes what it has).
+
+    The implementations it times have ``name``, ``kind``, ``recover(failure=None,
+    rel_err=None)`` (None, or a line saying which setting it changed so that one more try
+    may work) and ``row_note()`` (None or a line for their rows); benchmarks/peers.py's
+    ``Impl`` is the model."""
+
+    def __init__(self, device, timer, budget: Budget):
+        self.device = device
+        self.timer = timer
+        self.budget = budget
+        self.skips = []
+        self.dead = False
+
+    def stopped(self) -> bool:
+        return self.dead or self.budget.over()
+
+    def skip(self, impl, reason, config=None, T=None, mode=None):
+        if config is None:
+            log(f"{impl}: skipped: {reason}")
+            self.skips.append({"impl": impl, "reason": reason})
+            return
+        log(f"  {impl}: skipped at {config} T={T}: {reason}")
+        self.skips.append({"impl": impl, "config": config, "T": T, "mode": mode, "reason": reason})
+
+    def check_context(self):
+        if not self.dead and not context_alive(self.device):
+            self.dead = True
+            log("the CUDA context is gone (a sticky error): stopping here")
+        return not self.dead
+
+    def _measure(self, impl, make, error, ref, memory, recover):
+        """(row, output); the output only when it becomes the reference (the first
+        baseline's), else it is freed before the peak memory and the timing."""
+        fn = make(impl)
+        try:
+            out, first = self.timer.first_call(fn)
+        except Exception as exc:
+            note = impl.recover(failure=exc) if recover else None
+            if not note:
+                raise
+            log(f"  {impl.name}: {note}")
+            fn = make(impl)
+            out, first = self.timer.first_call(fn)
+        err = error(out, ref) if ref is not None else None
+        note = impl.recover(rel_err=err) if recover and err is not None else None
+        if note:
+            log(f"  {impl.name}: {note}")
+            fn = make(impl)
+            out, first = self.timer.first_call(fn)
+            err = error(out, ref)
+        if impl.kind != "baseline" or ref is not None:
+            out = None
+        row = {"first_call_s": first, "rel_err": err}
+        if memory:
+            row["peak_gb"], row["extra_gb"] = peak_memory_gb(fn, self.device)
+        row["ms"] = self.timer.median_ms(fn)
+        return row, out
+
+    def time_shape(
+        self,
+        impls,
+        where,
+        mode,
+        make,
+        error,
+        broken,
+        derive=None,
+        name=None,
+        memory=False,
+        recover=True,
+    ):
+        """The rows of one shape, in the order of ``impls``, speedups set: ``{**where, impl,
+        kind, mode, ms, first_call_s, rel_err}`` (and ``peak_gb``, ``extra_gb`` with
+        ``memory``, ``note`` where the impl has one, and what ``derive(row)`` returns: the
+        rates); each row is logged as it is done. ``where`` holds ``config`` and ``T``.
+
+        The baseline runs first: every later output is scored against its output with
+        ``error(out, ref)``. ``make(impl)`` returns the zero-argument callable to time; an
+        impl whose ``make``, first call or timing raises is skipped with the reason and
+        added to ``broken`` (name: reason), which this call also reads. ``name(impl)``
+        renames rows; impls sharing a name get one row, the first's. ``recover`` lets an
+        impl change a setting after a failed or clearly wrong first call."""
+        name = name or (lambda impl: impl.name)
+        order = list(dict.fromkeys(name(impl) for impl in impls))
+        label = "" if mode == "fwd" else f" ({mode})"
+        rows, ref, seen = [], None, set()
+        for impl in sorted(impls, key=lambda i: i.kind != "baseline"):
+            row_name = name(impl)
+            if impl.name in broken or row_name in seen or self.stopped():
+                continue
+            seen.add(row_name)
+            try:
+                row, out = self._measure(impl, make, error, ref, memory, recover)
+            except Exception as exc:
+                reason = str(exc) if isinstance(exc, Skip) else first_line(exc)
+                self.skip(row_name + label, reason, where["config"], where["T"], mode)
+                broken[impl.name] = reason
+                if not self.check_context():
+                    break
+                continue
+            if out is not None:
+                ref = out
+            del out
+            row = {**where, "impl": row_name, "kind": impl.kind, "mode": mode, **row}
+            if impl.row_note():
+                row["note"] = impl.row_note()
+            if derive:
+                row.update(derive(row))
+            log(row_line(row))
+            rows.append(row)
+        rows.sort(key=lambda r: order.index(r["impl"]))
+        add_speedups(rows)
+        return rows
+
+
+def row_line(r) -> str:
+    rate = f" {r['tflops']:7.1f} TFLOP/s" if "tflops" in r else ""
+    peak = f"  peak {fmt(r['peak_gb'], '.2f', 'n/a')} GB" if "peak_gb" in r else ""
+    return (
+        f"  T={r['T']:<6} {r['impl']:<18} {r['mode']:<7} {fmt_ms(r['ms']):>9} ms{rate}"
+        f"  first call {r['first_call_s']:.1f} s  rel err {fmt(r['rel_err'], '.2e', 'n/a')}{peak}"
+    )
+
+
+# --------------------------------------------------------------------------- tables
+
+
+class Column(NamedTuple):
+    header: str
+    cell: Callable[[dict], str]
+
+
+def value_column(header, key, spec=""):
+    return Column(header, lambda r: fmt(r.get(key), spec))
+
+
+MS_COLUMN = Column("ms", lambda r: fmt_ms(r["ms"]))
+
+
+def speedup_columns(rows):
+    """One ``x vs P`` column per impl that is not ours, in row order."""
+    names = list(dict.fromkeys(r["impl"] for r in rows if r["kind"] != "ours"))
+    return [
+        Column(f"x vs {name}", lambda r, name=name: fmt(r["speedup"].get(name), ".2f"))
+        for name in names
+    ]
+
+
+def rel_err_column(flag):
+    def cell(r):
+        err = r.get("rel_err")
+        s = fmt(err, ".2e")
+        return s + " (!)" if err is not None and err > flag else s
+
+    return Column("rel err", cell)
+
+
+def text_table(columns, rows):
+    if not rows:
+        return "(no rows)"
+    body = [[c.cell(r) for c in columns] for r in rows]
+    widths = [max(len(c.header), *(len(b[i]) for b in body)) for i, c in enumerate(columns)]
+    line = "  ".join(c.header.ljust(w) for c, w in zip(columns, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(s.ljust(w) for s, w in zip(b, widths)) for b in body]
+    return "\n".join(out)
+
+
+def log_table(title, columns, rows, large_T):
+    log()
+    log(f"{title}:")
+    log(text_table(columns, rows))
+    for line in geomean_lines(geomeans(rows, large_T), large_T):
+        log(line)
+
+
+def md_table(columns, rows):
+    if not rows:
+        return "(no rows)"
+    out = [
+        "| " + " | ".join(c.header for c in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    out += ["| " + " | ".join(c.cell(r) for c in columns) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- results file
+
+
+def marker(op, name):
+    return f"<!-- {op}:{name} -->", f"<!-- /{op}:{name} -->"
+
+
+def replace_section(text: str, op: str, name: str, body: str) -> str:
+    """``text`` with the section ``name`` (markers included) replaced by ``body`` (or
+    appended when absent); everything outside the markers is kept byte for byte."""
+    begin, end = marker(op, name)
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if pattern.search(text):
+        return pattern.sub(lambda _: block, text, count=1)
+    if text and not text.endswith("\n"):
+        text += "\n"
+    return f"{text}\n{block}\n" if text else f"# Benchmark results\n\n{block}\n"
+
+
+def read_sections(text: str, op: str) -> dict[str, str]:
+    found = re.findall(
+        rf"<!-- {re.escape(op)}:([\w.-]+) -->\n(.*?)\n<!-- /{re.escape(op)}:\1 -->", text, re.S
+    )
+    return dict(found)
+
+
+def write_sections(path: Path, op: str, sections: dict[str, str]) -> str:
+    text = path.read_text() if path.exists() else ""
+    for name, body in sections.items():
+        text = replace_section(text, op, name, body)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return text
+
+
+def sections_text(op: str, sections: dict[str, str]) -> str:
+    """The sections alone, with their markers: what ``--merge`` reads on another checkout."""
+    blocks = []
+    for name, body in sections.items():
+        begin, end = marker(op, name)
+        blocks.append(f"{begin}\n{body.rstrip()}\n{end}")
+    return "\n\n".join(blocks) + "\n"
+
+
+def section_md(title, meta, ceilings, legend, table, gm_lines, notes, skips, packages):
+    """One results section: provenance (date, GPU, torch, commit, the versions of
+    ``packages`` that are installed), the command, the ceilings, ``legend``, the table, the
+    geometric means, notes and what was skipped and why."""
+    v = meta["versions"]
+    peer_v = ", ".join(f"{n} {v[n]}" for n in packages if v.get(n))
+    out = [
+        f"## {title}",
+        "",
+        f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · commit "
+        f"`{meta['commit']}`" + (f" · {peer_v}" if peer_v else ""),
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        ceilings_sentence(ceilings),
+        "",
+        legend,
+        "",
+        table,
+        "",
+    ]
+    if gm_lines:
+        out += ["Geometric means of the speedup:", ""]
+        out += [f"- {line}" for line in gm_lines]
+        out.append("")
+    if notes:
+        out += [f"- {n}" for n in notes]
+        out.append("")
+    if skips:
+        out += ["Skipped:", ""]
+        for s in skips:
+            where = f" ({s['config']}, T={s['T']})" if "config" in s else ""
+            out.append(f"- {s['impl']}{where}: {s['reason']}")
+        out.append("")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def _strict(obj):
+    """NaN and infinities as strings: json.dumps would write bare NaN, which is not JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def json_text(obj) -> str:
+    return json.dumps(_strict(obj), indent=1, default=str) + "\n"
+
+
+def write_json(path, obj):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json_text(obj))
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_run_args(p, op, quick_help, warmup_ms, rep_ms, budget_s):
+    """The flags every op's benchmark has; ``warmup_ms``, ``rep_ms`` and ``budget_s`` are
+    (default, --quick default) pairs."""
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument(
+        "--results",
+        help=f"markdown file whose {op} sections this run rewrites (default benchmarks/RESULTS.md)",
+    )
+    p.add_argument(
+        "--results-json",
+        help="raw numbers of this run, written with the results file (default "
+        f"benchmarks/results/{op}.json, or {op}-SECTION.json for another section)",
+    )
+    p.add_argument("--no-results", action="store_true", help="write no results files")
+    p.add_argument(
+        "--section",
+        help="marker name (default forward / backward; "
+        "forward-quick / backward-quick with --quick)",
+    )
+    p.add_argument(
+        "--warmup-ms",
+        type=float,
+        help=f"do_bench warmup (default {warmup_ms[0]:g}, quick {warmup_ms[1]:g})",
+    )
+    p.add_argument(
+        "--rep-ms", type=float, help=f"do_bench rep (default {rep_ms[0]:g}, quick {rep_ms[1]:g})"
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        help="stop timing new rows after this many seconds and write what ran "
+        f"(default {budget_s[0]:g}, quick {budget_s[1]:g})",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the raw numbers here (default $OUT/...)")
+    p.add_argument(
+        "--merge",
+        metavar="SECTIONS_MD",
+        help=f"only merge the {op} sections of this file into --results, then exit",
+    )
+
+
+def finish_run_args(args, op, argv, script, sections, warmup_ms, rep_ms, budget_s):
+    """Fills in what add_run_args left open: timing defaults, ``args.sections`` (base name
+    in ``sections``: marker name), the results paths and ``args.argv``."""
+    args.argv = list(sys.argv if argv is None else [script, *argv])
+    pick = 1 if args.quick else 0
+    args.warmup_ms = args.warmup_ms or warmup_ms[pick]
+    args.rep_ms = args.rep_ms or rep_ms[pick]
+    args.budget_s = args.budget_s or budget_s[pick]
+    suffix = "-quick" if args.quick and not args.section else ""
+    first = sections[0]
+    args.sections = {
+        base: (args.section if base == first else f"{args.section}-{base}")
+        if args.section
+        else f"{base}{suffix}"
+        for base in sections
+    }
+    args.results = args.results or str(HERE / "RESULTS.md")
+    name = args.sections[first]
+    args.results_json = args.results_json or str(
+        RESULTS_DIR / (f"{op}.json" if name == first else f"{op}-{name}.json")
+    )
+
+
+def merge(args, op):
+    sections = read_sections(Path(args.merge).read_text(), op)
+    if not sections:
+        sys.exit(f"no {op} sections in {args.merge}")
+    write_sections(Path(args.results), op, sections)
+    log(f"merged sections {', '.join(sections)} into {args.results}")
+
+
+def publish(op, args, sections, doc, bench_extra):
+    """Writes this run's sections into the results file and ``doc`` into the results JSON
+    (unless --no-results), and where $OUT is set copies of both to bring back, the sections
+    alone (for --merge) and ``{**doc, **bench_extra}`` as $OUT/OP_bench.json (or --json)."""
+    out_dir = os.environ.get("OUT")
+    if not args.no_results:
+        text = write_sections(Path(args.results), op, sections)
+        log(f"wrote sections {', '.join(sections)} of {args.results}")
+        write_json(args.results_json, doc)
+        log(f"wrote {args.results_json}")
+        if out_dir:
+            Path(out_dir, "RESULTS.md").write_text(text)
+            write_json(Path(out_dir, Path(args.results_json).name), doc)
+    if out_dir:
+        Path(out_dir, f"{op}_sections.md").write_text(sections_text(op, sections))
+    json_path = args.json or (os.path.join(out_dir, f"{op}_bench.json") if out_dir else None)
+    if json_path:
+        write_json(json_path, {**doc, **bench_extra})
+        log(f"wrote {json_path}")
+
+
+# --------------------------------------------------------------------------- self-tests
+
+
+def self_test_paths(args):
+    """Points the results files of a --self-test away from the repository's own (a toy run
+    must never overwrite them), into a temporary directory holding a copy of RESULTS.md, so
+    that the rewrite is checked against a file with other sections; returns (directory,
+    the results file's text before the run)."""
+    scratch = Path(tempfile.mkdtemp(prefix="self-test-"))
+    real = HERE / "RESULTS.md"
+    if Path(args.results).resolve() == real.resolve():
+        args.results = str(scratch / "RESULTS.md")
+        if real.exists():
+            shutil.copyfile(real, args.results)
+    if Path(args.results_json).resolve().parent == RESULTS_DIR.resolve():
+        args.results_json = str(scratch / "results" / Path(args.results_json).name)
+    results = Path(args.results)
+    return scratch, (results.read_text() if results.exists() else "")
+
+
+def check_written(op, args, doc, original, scratch, merge_cli):
+    """Problems with the files a run wrote: the results JSON has ``doc``'s rows and the
+    meta and ceilings every run records; the results file has this run's sections and every
+    other byte of ``original``; ``merge_cli(sections_md, results_md)`` (the op's --merge)
+    rebuilds the same file from the sections alone."""
+    problems = []
+    if args.no_results:
+        return problems
+    saved = json.loads(Path(args.results_json).read_text())
+    if len(saved["rows"]) != len(doc["rows"]):
+        problems.append("results JSON: row count")
+    meta_keys = ("date", "gpu", "driver", "commit", "command", "torch", "triton", "python")
+    for key in (*meta_keys, "timing", "versions", "peers"):
+        if key not in saved["meta"]:
+            problems.append(f"results JSON: meta.{key}")
+    if not {"gemm_tflops", "copy_gbps"} <= set(saved["ceilings"]):
+        problems.append("results JSON: ceilings")
+    text = Path(args.results).read_text()
+    sections = read_sections(text, op)
+    if not set(args.sections.values()) <= set(sections):
+        problems.append("results file: this run's sections")
+    expected = original
+    for name, body in sections.items():
+        expected = replace_section(expected, op, name, body)
+    if text != expected:
+        problems.append("results file: bytes outside this run's sections changed")
+    sections_md, merged = Path(scratch, "sections.md"), Path(scratch, "merged.md")
+    sections_md.write_text(sections_text(op, sections))
+    merged.write_text(original)
+    merge_cli(str(sections_md), str(merged))
+    if merged.read_text() != text:
+        problems.append("--merge of the sections alone gives another file")
+    return problems
+
+
+def self_test_verdict(problems, scratch, summary):
+    if problems:
+        sys.exit(f"self-test FAILED (files kept in {scratch}):\n- " + "\n- ".join(problems))
+    shutil.rmtree(scratch)
+    log(f"self-test passed: {summary}")
