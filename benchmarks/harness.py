@@ -249,11 +249,14 @@ def _git(root, *args):
 
 
 def git_commit(root=ROOT) -> str:
-    """Short HEAD (``-dirty`` with tracked changes) of the git checkout whose top is
-    ``root``; a tree inside another checkout (a copy under scratch/) or one without .git
-    (a device machine's copy) falls back to PRIME_KERNELS_COMMIT, then to the commit its
+    """PRIME_KERNELS_COMMIT when set (a copy of the tree whose .git is not its own);
+    else the short HEAD (``-dirty`` with tracked changes) of the git checkout whose top is
+    ``root``; else (a tree inside another checkout, or one without .git) the commit its
     build recorded."""
     root = Path(root)
+    env = os.environ.get("PRIME_KERNELS_COMMIT")
+    if env:
+        return env
     try:
         top = _git(root, "rev-parse", "--show-toplevel")
         if top.returncode == 0 and os.path.samefile(top.stdout.strip(), root):
@@ -263,9 +266,6 @@ def git_commit(root=ROOT) -> str:
                 return head + ("-dirty" if dirty.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    env = os.environ.get("PRIME_KERNELS_COMMIT")
-    if env:
-        return env
     try:
         built = json.loads((root / "prime_kernels" / "_build_info.json").read_text())
         if built.get("git_commit"):
