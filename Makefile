@@ -26,9 +26,10 @@ format: $(VENV)/.built
 	clang-format -i $(shell find prime_kernels -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' \
 		-o -name '*.h')
 
-# An abi3 wheel for sm_90a, built without a GPU.
+# The release wheels (abi3, manylinux_2_28, sm_90a) into dist/, built without a GPU:
+# x86_64, and aarch64 cross-compiled when its toolchain is here (scripts/build-wheels).
 wheel: $(VENV)/.built
-	PRIME_KERNELS_REQUIRE=1 $(PYTHON) -m pip wheel --no-build-isolation --no-deps -w dist .
+	VENV=$(VENV) bash scripts/build-wheels $(if $(shell command -v aarch64-linux-gnu-g++),--aarch64)
 
 $(VENV)/.built: $(SOURCES) scripts/bootstrap
 	VENV=$(VENV) bash scripts/bootstrap

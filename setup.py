@@ -7,7 +7,12 @@ compiles nothing. Variables:
 
 - ``PRIME_KERNELS=a,b``: build only these kernels (an unknown name is an error);
 - ``PRIME_KERNELS_REQUIRE=1``: a kernel that would be skipped fails the build instead;
-- ``MAX_JOBS``: parallel compile jobs (read by torch's ninja build).
+- ``MAX_JOBS``: parallel compile jobs (read by torch's ninja build);
+- a cross build for another CPU (scripts/build-wheels --aarch64): ``CC``/``CXX`` the
+  cross compilers, ``PRIME_KERNELS_CROSS_TORCH`` the target's torch package (its headers
+  and libraries), ``PRIME_KERNELS_CROSS_INCLUDE_DIRS`` / ``_LIB_DIRS`` (``:``-separated:
+  the target's Python headers, cudart), ``PRIME_KERNELS_CROSS_NVCC_FLAGS`` and
+  ``PRIME_KERNELS_CROSS_PLAT`` (the wheel's platform, e.g. linux_aarch64).
 
 Extensions bind with the LibTorch stable ABI targeting torch 2.10 and the Python limited
 API, so one wheel (``cp310-abi3``) imports under every torch >= 2.10 of the same CUDA major
@@ -22,6 +27,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -149,9 +155,21 @@ def skip_reason(spec, toolkit: dict, kernel_dir: Path) -> str | None:
     return None
 
 
+def cross_setting(name: str) -> list[str]:
+    value = os.environ.get(f"PRIME_KERNELS_CROSS_{name}", "").strip()
+    return [part for part in value.split(os.pathsep) if part] if value else []
+
+
+def is_cross_build() -> bool:
+    return bool(cross_setting("TORCH"))
+
+
 def cxx_runtime_link_args() -> list[str]:
     """Links the shared libstdc++, searched first where this process (which has imported
-    torch) loaded it from, so the extension and torch share one C++ runtime."""
+    torch) loaded it from, so the extension and torch share one C++ runtime (a cross
+    build links the cross toolchain's own)."""
+    if is_cross_build():
+        return [f"-l:{CXX_RUNTIME}"]
     args = []
     try:
         with open("/proc/self/maps") as maps:
@@ -191,20 +209,45 @@ def static_cxx_runtime_reason(library: Path) -> str | None:
     )
 
 
+# Compiled into every extension (see the file): keeps the wheels' glibc floor at 2.28.
+MANYLINUX_COMPAT = PACKAGE_DIR / "include" / "prime_kernels" / "manylinux_compat.cpp"
+
+
 def make_extension(spec, kernel_dir: Path):
     from torch.utils.cpp_extension import CUDAExtension
 
     std = f"-std=c++{spec.cxx_std}"
     defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DUSE_CUDA"]
     gencode = [manifest.arch_to_gencode(arch) for arch in spec.arch]
+    # A cross build reads the target's torch and Python headers and links the target's
+    # libraries: listed first, they shadow this machine's, which torch adds after them.
+    cross_includes, cross_libs, cross_nvcc = [], [], []
+    if is_cross_build():
+        (torch_root,) = cross_setting("TORCH")
+        cross_includes = cross_setting("INCLUDE_DIRS") + [
+            f"{torch_root}/include",
+            f"{torch_root}/include/torch/csrc/api/include",
+        ]
+        cross_libs = [f"{torch_root}/lib", *cross_setting("LIB_DIRS")]
+        cross_nvcc = shlex.split(os.environ.get("PRIME_KERNELS_CROSS_NVCC_FLAGS", ""))
     return CUDAExtension(
         name=f"{PACKAGE}.{spec.name}._C",
-        sources=[str((kernel_dir / src).relative_to(ROOT)) for src in spec.sources],
+        sources=[str((kernel_dir / src).relative_to(ROOT)) for src in spec.sources]
+        + [str(MANYLINUX_COMPAT.relative_to(ROOT))],
         include_dirs=[str(kernel_dir / inc) for inc in spec.include_dirs]
-        + [str(PACKAGE_DIR / "include")],
+        + [str(PACKAGE_DIR / "include")]
+        + cross_includes,
+        library_dirs=cross_libs,
         extra_compile_args={
             "cxx": [std, "-O3", *defines, *spec.cxx_flags],
-            "nvcc": [std, *gencode, *defines, *NVCC_RESTORE_OPERATORS, *spec.nvcc_flags],
+            "nvcc": [
+                std,
+                *gencode,
+                *defines,
+                *NVCC_RESTORE_OPERATORS,
+                *spec.nvcc_flags,
+                *cross_nvcc,
+            ],
         },
         extra_link_args=cxx_runtime_link_args(),
         py_limited_api=True,
@@ -280,6 +323,28 @@ def write_build_info(build_info: dict, build_lib: str, in_source: bool) -> None:
         target.write_text(text)
 
 
+def read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
+
+def log_compile_times(ninja_log: Path, logged_before: int) -> None:
+    """One line per translation unit compiled in this build, slowest first, from the
+    entries ninja appended to its log (start and end in ms per output)."""
+    lines = read_lines(ninja_log)
+    # ninja may have recompacted its log (fewer lines): then every entry is read.
+    new = lines if len(lines) < logged_before else lines[logged_before:]
+    latest = {}
+    for line in new:
+        fields = line.split("\t")
+        if len(fields) >= 4:
+            latest[fields[3]] = (int(fields[1]) - int(fields[0])) / 1000
+    for output, seconds in sorted(latest.items(), key=lambda item: -item[1]):
+        log(f"compiled {Path(output).name} in {seconds:.1f} s")
+
+
 def command_classes(extensions: list, build_info: dict) -> dict:
     """build_py records what the build compiled (it runs in every build, also when nothing
     is compiled); build_ext is torch's BuildExtension (ninja, Py_LIMITED_API, its flags)
@@ -301,7 +366,10 @@ def command_classes(extensions: list, build_info: dict) -> dict:
 
         class BuildExtWithMetadata(BuildExtension):
             def run(self):
+                ninja_log = Path(self.build_temp) / ".ninja_log"
+                logged_before = len(read_lines(ninja_log))
                 super().run()
+                log_compile_times(ninja_log, logged_before)
                 for extension in self.extensions:
                     reason = static_cxx_runtime_reason(Path(self.get_ext_fullpath(extension.name)))
                     if reason is not None:
@@ -324,6 +392,8 @@ def main() -> None:
     if extensions:
         version += "+cu" + build_info["torch_cuda"].replace(".", "")
         options = {"bdist_wheel": {"py_limited_api": PY_LIMITED_API_TAG}}
+        if os.environ.get("PRIME_KERNELS_CROSS_PLAT"):
+            options["bdist_wheel"]["plat_name"] = os.environ["PRIME_KERNELS_CROSS_PLAT"]
     setup(
         version=version,
         packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
