@@ -15,6 +15,8 @@
 #include <vector>
 
 namespace prime_kernels::binding {
+// Internal to each binding's translation unit, as torch's stable Tensor is.
+namespace {
 
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
@@ -132,4 +134,5 @@ inline void check_cuda(const char* op, cudaError_t status) {
   }
 }
 
+}  // namespace
 }  // namespace prime_kernels::binding

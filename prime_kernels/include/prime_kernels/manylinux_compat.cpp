@@ -5,4 +5,6 @@
 // references bind to this copy instead of glibc's; 0 means "not known to be
 // single-threaded", so reference counts stay atomic, which torch (a multi-threaded
 // process) needs anyway.
-extern "C" __attribute__((visibility("hidden"))) char __libc_single_threaded = 0;
+extern "C" {
+__attribute__((visibility("hidden"))) char __libc_single_threaded = 0;
+}
