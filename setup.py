@@ -188,6 +188,7 @@ def static_cxx_runtime_reason(library: Path) -> str | None:
     it must need the shared libstdc++ and carry no copy of it (readelf, from binutils)."""
     readelf = shutil.which("readelf")
     if readelf is None:
+        log(f"cannot check which libstdc++ {library.name} links: no readelf (binutils)")
         return None
     dynamic = subprocess.run([readelf, "-dW", str(library)], capture_output=True, text=True).stdout
     symbols = subprocess.run(
@@ -339,7 +340,7 @@ def log_compile_times(ninja_log: Path, logged_before: int) -> None:
     latest = {}
     for line in new:
         fields = line.split("\t")
-        if len(fields) >= 4:
+        if len(fields) >= 4 and fields[0].isdigit() and fields[1].isdigit():
             latest[fields[3]] = (int(fields[1]) - int(fields[0])) / 1000
     for output, seconds in sorted(latest.items(), key=lambda item: -item[1]):
         log(f"compiled {Path(output).name} in {seconds:.1f} s")
@@ -392,7 +393,7 @@ def main() -> None:
     if extensions:
         version += "+cu" + build_info["torch_cuda"].replace(".", "")
         options = {"bdist_wheel": {"py_limited_api": PY_LIMITED_API_TAG}}
-        if os.environ.get("PRIME_KERNELS_CROSS_PLAT"):
+        if is_cross_build() and os.environ.get("PRIME_KERNELS_CROSS_PLAT"):
             options["bdist_wheel"]["plat_name"] = os.environ["PRIME_KERNELS_CROSS_PLAT"]
     setup(
         version=version,

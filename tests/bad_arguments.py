@@ -172,6 +172,9 @@ CASES: dict[str, Case] = {
         fused(block_m=100), r"block_m=100 must be a positive multiple of 16"
     ),
     "bpc_zero": Case(fused(bpc=0), r"bpc=0 must be positive"),
+    # block_m * bpc would wrap to 0 in int64 (and divide by zero after the check)
+    "bpc_huge": Case(fused(bpc=2**60), r"bpc=1152921504606846976 must be positive"),
+    "block_n_huge": Case(fused(block_n=2**32 + 64), r"block_n=4294967360 must be in \[0, 1024\]"),
     # devices
     "x_on_cpu": Case(
         fused(a0=lambda a, d: a[0].cpu()),
@@ -221,6 +224,9 @@ CASES: dict[str, Case] = {
     "align_pad": Case(
         align(ids(4, 2), E, 1024, 128), r"bpc=128 must be positive with block_m \* bpc <= 65536"
     ),
+    "align_bpc_huge": Case(
+        align(ids(4, 2), E, 16, 2**60), r"bpc=1152921504606846976 must be positive"
+    ),
     "ids_on_cpu": Case(
         lambda fm, d: fm.moe_align(torch.zeros(4, 2, dtype=torch.int32), E),
         r"argument 'topk_ids' must be on a CUDA device, got a CPU tensor",
@@ -245,6 +251,11 @@ def cases_for(device: str) -> dict[str, Case]:
     return dict(CASES)
 
 
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def load_flash_moe(device: str):
     import prime_kernels
 
@@ -267,6 +278,8 @@ def run_case(name: str, device: str) -> str:
     # RuntimeError (torch 2.15); the text is ours either way.
     except (ValueError, RuntimeError) as error:
         text = str(error).splitlines()[0] if str(error) else ""
+        if isinstance(error, RuntimeError) and torch_version() <= (2, 11):
+            raise AssertionError(f"{name}: RuntimeError {text!r}, not ValueError") from None
         if not re.search(case.message, str(error)):
             raise AssertionError(
                 f"{name}: {type(error).__name__} {text!r} does not match {case.message!r}"

@@ -31,7 +31,8 @@ void check_block_m_bpc(const char* op, int64_t block_m, int64_t bpc) {
   if (block_m <= 0 || block_m % 16 != 0 || block_m > 1024) {
     fail(op, "block_m=", block_m, " must be a positive multiple of 16 up to 1024");
   }
-  if (bpc <= 0 || block_m * bpc > (1 << 16)) {
+  // Divided, not multiplied: bpc is any int64 the caller passed.
+  if (bpc <= 0 || bpc > (1 << 16) / block_m) {
     fail(op, "bpc=", bpc, " must be positive with block_m * bpc <= 65536");
   }
 }
@@ -126,6 +127,13 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
     fail(op, "argument 'expert_ids' must have length len(sorted_token_ids) / block_m = ",
          max_padded / block_m, ", got ", expert_ids.size(0),
          "; pass moe_align's output for the same block_m");
+  }
+  // Tuning values are small ints on the device side: refuse what would not survive the cast.
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"block_n", block_n},
+                                    {"warp_n", warp_n},
+                                    {"stages", stages},
+                                    {"cpc", cpc}}) {
+    if (value < 0 || value > 1024) fail(op, name, "=", value, " must be in [0, 1024]");
   }
   const int32_t device = check_devices(op, tensors);
 

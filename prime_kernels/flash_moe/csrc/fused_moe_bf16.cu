@@ -256,6 +256,13 @@ std::string check_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf
   if (pr.num_tokens > 0 &&
       (!aligned16(pr.x) || !aligned16(pr.w) || !aligned16(pr.w2) || !aligned16(pr.out)))
     return "x, w, w2 and out must be 16-byte aligned (TMA and 16-byte copies)";
+  // What the hints resolve to must be a ring this device's shared memory holds.
+  const FusedMoeBf16Config resolved = resolve_fused_moe_bf16_config(pr, c);
+  if (resolved.stages < kMinStages)
+    return "device " + std::to_string(pr.device) + " offers too little shared memory per block (" +
+           std::to_string(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, pr.device)) +
+           " bytes) for a " + std::to_string(kMinStages) + "-stage ring of the " +
+           std::to_string(pr.block_m) + "x" + std::to_string(resolved.block_n) + " tile";
   return "";
 }
 
@@ -267,6 +274,10 @@ size_t fused_moe_bf16_workspace_bytes(const FusedMoeBf16Problem& problem,
 cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& c,
                                   void* workspace, cudaStream_t stream) {
   if (pr.num_tokens == 0) return cudaSuccess;  // out is empty
+  // A config that did not come from resolve (or a device that changed) never launches.
+  if (!is_instantiated(int(pr.block_m), c.block_n) || c.stages < kMinStages ||
+      c.stages > max_stages(int(pr.block_m), c.block_n, pr.device))
+    return cudaErrorInvalidValue;
   const Workspace ws = carve_workspace(pr, c.split, workspace);
   const int num_sms = usable_sms(pr.device);
   if (num_sms == 0) return cudaErrorInvalidDevice;
