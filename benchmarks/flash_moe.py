@@ -291,7 +291,7 @@ def run(args):
         sys.exit("no CUDA device: run this on the GPU machine, or use --self-test on CPU")
 
     peers.activate_pth_files()
-    timer = harness.Timer(device, args.warmup_ms, args.rep_ms)
+    timer = harness.Timer(device, args.warmup_ms, args.rep_ms, args.rounds)
     meta = harness.environment(device, args.argv, timer)
     meta.update(
         versions=peers.peer_versions(), tune_peers=args.tune_peers, self_test=args.self_test

@@ -25,6 +25,7 @@ import platform
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,12 +58,14 @@ def log(msg=""):
 class Timer:
     """Median of CUDA-event timings through triton's do_bench, which zeroes a buffer larger
     than L2 before every call, so each call reads its inputs from HBM. On CPU (self-tests
-    only) the wall-clock median of five calls after one warm-up."""
+    only) the wall-clock median of five calls after one warm-up. ``rounds``: how many
+    interleaved rounds Session.time_shape takes the median of (runs drift by 5-10%)."""
 
-    def __init__(self, device, warmup_ms: float, rep_ms: float):
+    def __init__(self, device, warmup_ms: float, rep_ms: float, rounds: int = 1):
         self.device = device
         self.warmup_ms = warmup_ms
         self.rep_ms = rep_ms
+        self.rounds = max(1, rounds)
 
     def sync(self):
         import torch
@@ -100,17 +103,26 @@ class Timer:
                 "warmup_ms": self.warmup_ms,
                 "rep_ms": self.rep_ms,
                 "l2_flush": True,
+                "interleaved_rounds": self.rounds,
             }
         return {
             "method": "time.perf_counter, 5 calls after 1 warm-up",
             "statistic": "median",
             "l2_flush": False,
+            "interleaved_rounds": self.rounds,
         }
 
 
 def timing_sentence(meta) -> str:
+    rounds = meta.get("timing", {}).get("interleaved_rounds", 1)
+    over = (
+        f"Median over {rounds} interleaved rounds (every implementation of a shape timed once "
+        "per round, the order reversed every other round) of the median"
+        if rounds > 1
+        else "Median"
+    )
     return (
-        f"Median of CUDA-event timings (triton do_bench, L2 flushed, warmup "
+        f"{over} of CUDA-event timings (triton do_bench, L2 flushed, warmup "
         f"{meta['warmup_ms']:g} ms, rep {meta['rep_ms']:g} ms)."
     )
 
@@ -471,7 +483,7 @@ class Session:
         if memory:
             row["peak_gb"], row["extra_gb"] = peak_memory_gb(fn, self.device)
         row["ms"] = self.timer.median_ms(fn)
-        return row, out
+        return row, out, fn
 
     def time_shape(
         self,
@@ -500,14 +512,14 @@ class Session:
         name = name or (lambda impl: impl.name)
         order = list(dict.fromkeys(name(impl) for impl in impls))
         label = "" if mode == "fwd" else f" ({mode})"
-        rows, ref, seen = [], None, set()
+        rows, ref, seen, timed = [], None, set(), []
         for impl in sorted(impls, key=lambda i: i.kind != "baseline"):
             row_name = name(impl)
             if impl.name in broken or row_name in seen or self.stopped():
                 continue
             seen.add(row_name)
             try:
-                row, out = self._measure(impl, make, error, ref, memory, recover)
+                row, out, fn = self._measure(impl, make, error, ref, memory, recover)
             except Exception as exc:
                 reason = str(exc) if isinstance(exc, Skip) else first_line(exc)
                 self.skip(row_name + label, reason, where["config"], where["T"], mode)
@@ -521,10 +533,27 @@ class Session:
             row = {**where, "impl": row_name, "kind": impl.kind, "mode": mode, **row}
             if impl.row_note():
                 row["note"] = impl.row_note()
+            row["ms_rounds"] = [row["ms"]]
+            rows.append(row)
+            timed.append((row, fn))
+        # Further rounds over every implementation that ran, the order reversed every other
+        # round so that none always runs first; each row keeps the median of its rounds.
+        for r in range(1, self.timer.rounds):
+            if self.stopped():
+                break
+            for row, fn in timed[::-1] if r % 2 else timed:
+                try:
+                    row["ms_rounds"].append(self.timer.median_ms(fn))
+                except Exception as exc:
+                    log(f"  {row['impl']}: round {r + 1} failed: {first_line(exc)}")
+                    if not self.check_context():
+                        break
+        del timed
+        for row in rows:
+            row["ms"] = statistics.median(row["ms_rounds"])
             if derive:
                 row.update(derive(row))
             log(row_line(row))
-            rows.append(row)
         rows.sort(key=lambda r: order.index(r["impl"]))
         add_speedups(rows)
         return rows
@@ -739,6 +768,11 @@ def add_run_args(p, op, quick_help, warmup_ms, rep_ms, budget_s):
         "--rep-ms", type=float, help=f"do_bench rep (default {rep_ms[0]:g}, quick {rep_ms[1]:g})"
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        help="interleaved rounds per shape, the median kept (default 3, quick 1)",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         help="stop timing new rows after this many seconds and write what ran "
@@ -761,6 +795,7 @@ def finish_run_args(args, op, argv, script, sections, warmup_ms, rep_ms, budget_
     args.warmup_ms = args.warmup_ms or warmup_ms[pick]
     args.rep_ms = args.rep_ms or rep_ms[pick]
     args.budget_s = args.budget_s or budget_s[pick]
+    args.rounds = args.rounds or (1 if args.quick else 3)
     suffix = "-quick" if args.quick and not args.section else ""
     first = sections[0]
     args.sections = {
