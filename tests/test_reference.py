@@ -454,3 +454,25 @@ def test_no_host_sync_on_cuda():
     truth = ref.moe_expert_loop_fp32(x, w, w2, ids, tw)
     assert ref.relative_error(out, truth) < 1.5e-2
     assert aligned[0].device.type == "cuda"
+
+
+@pytest.mark.parametrize(("T", "E", "k", "D", "H"), [(40, 5, 2, 24, 16), (9, 3, 3, 8, 4)])
+def test_backward_reference_is_autograd_of_the_forward(T, E, k, D, H):
+    """The closed-form backward the kernels implement (what is kept: x and the gate/up
+    pre-activations; ds from <w2^T dO, h>) equals fp64 autograd of the expert loop, dropped
+    pairs and an empty expert included."""
+    x, w, w2, ids, tw = make_inputs(T, E, k, D, H, dtype=torch.float64, seed=T + E)
+    tw = tw.double()
+    ids = ids.clone()
+    ids[0, 0] = -1
+    ids[T // 2, k - 1] = E + 3
+    ids[ids == E - 1] = 0  # expert E - 1 gets nothing
+    grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(T), dtype=torch.float64)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w2, tw)]
+    out = ref.moe_expert_loop_fp32(*leaves[:3], ids, leaves[3], round_h=False, dtype=torch.float64)
+    out.backward(grad_out)
+    got = ref.moe_backward_reference(x, w, w2, ids, tw, grad_out)
+    for name, a, leaf in zip(("x", "w", "w2", "topk_weights"), got, leaves, strict=True):
+        assert ref.relative_error(a, leaf.grad) < 1e-12, name
+    assert got[3][0, 0] == 0 and got[3][T // 2, k - 1] == 0
+    assert torch.count_nonzero(got[1][E - 1]) == 0 and torch.count_nonzero(got[2][E - 1]) == 0

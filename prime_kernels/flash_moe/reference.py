@@ -9,6 +9,8 @@ contributes nothing to any output and appears in no expert segment.
 - :func:`moe_grouped_mm` is the reference the consumer tests the fused kernels against (the
   grouped-mm expert path), with its rounding points.
 - :func:`moe_expert_loop_fp32` is the ground truth: a per-expert loop in fp32 (or fp64).
+- :func:`moe_backward_reference` is the backward in closed form: the math the backward
+  kernels implement, and what they keep from the forward.
 - :func:`moe_align_reference` pins the exact output of the ``moe_align`` op.
 - :func:`routing` and :func:`relative_error` are what tests and benchmarks use to make
   inputs and to score outputs.
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 __all__ = [
     "moe_grouped_mm",
     "moe_expert_loop_fp32",
+    "moe_backward_reference",
     "moe_align_reference",
     "routing",
     "relative_error",
@@ -206,6 +209,66 @@ def moe_expert_loop_fp32(
         y = (h @ w2f[e].T) * twf[tok, slot].unsqueeze(1)
         out = out.index_add(0, tok, y)
     return out
+
+
+def moe_backward_reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of the MoE forward, written out, in ``dtype``: ``(dx, dw, dw2,
+    dtopk_weights)`` for ``grad_out`` = dO (T, D).
+
+    Per routed pair p = (t, j) of expert e, with a = x_t, s = topk_weights[t, j], and what
+    the forward keeps per pair, the gate/up pre-activations g = gate_e a and u = up_e a
+    (h = silu(g) * u is recomputed; neither h nor the down projection's output y is stored):
+
+    - dh' = w2_e^T dO_t (the dgrad of the down projection, before the routing weight);
+    - ds_p = <dh', h> (= <dO_t, y>, so y is never needed);
+    - dh = s dh'; dg = dh * u * silu'(g), silu'(g) = sig(g) (1 + g (1 - sig(g))); du = dh * silu(g);
+    - dw2_e += s dO_t h^T; dgate_e += dg a^T; dup_e += du a^T (reductions over the expert's
+      pairs: the weight gradients' K dimension is the expert's tokens);
+    - dx_t += gate_e^T dg + up_e^T du, summed over the token's k pairs.
+
+    Dropped pairs (id outside [0, E)) get ds = 0 and contribute nothing. h is not rounded
+    (the fp64 truth of the unrounded model, as autograd of :func:`moe_expert_loop_fp32`
+    with ``round_h=False`` and ``dtype=torch.float64``).
+    """
+    T, D, E, H, k = _check_moe_inputs(x, w, w2, topk_ids, topk_weights)
+    if grad_out.shape != (T, D):
+        raise ValueError(f"grad_out must be (T, D) = ({T}, {D}), got {tuple(grad_out.shape)}")
+    xf, wf, w2f = x.to(dtype), w.to(dtype), w2.to(dtype)
+    twf, dof = topk_weights.to(dtype), grad_out.to(dtype)
+    ids = topk_ids.to(torch.int64)
+    dx = torch.zeros_like(xf)
+    dw = torch.zeros_like(wf)
+    dw2 = torch.zeros_like(w2f)
+    dtw = torch.zeros_like(twf)
+    for e in range(E):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        a = xf[tok]
+        g = a @ wf[e, :H].T
+        u = a @ wf[e, H:].T
+        sig = torch.sigmoid(g)
+        h = g * sig * u
+        dh_pre = dof[tok] @ w2f[e]  # (n, H): w2_e^T dO_t per pair
+        s = twf[tok, slot].unsqueeze(1)
+        dtw[tok, slot] = (dh_pre * h).sum(1)
+        dh = s * dh_pre
+        dg = dh * u * sig * (1 + g * (1 - sig))
+        du = dh * g * sig
+        dw2[e] = (s * dof[tok]).T @ h
+        dw[e, :H] = dg.T @ a
+        dw[e, H:] = du.T @ a
+        dx.index_add_(0, tok, dg @ wf[e, :H] + du @ wf[e, H:])
+    return dx, dw, dw2, dtw
 
 
 def moe_align_reference(
