@@ -1,9 +1,11 @@
-"""flash_moe: fused Mixture-of-Experts forward for Hopper (sm_90a).
+"""flash_moe: fused Mixture-of-Experts for Hopper (sm_90a), forward and backward.
 
 Reach it through the registry (``prime_kernels.load("flash_moe")``), which checks that the
 extension is built and the device is one it was built for. Ops live in
 ``torch.ops.prime_moe``; this module wraps them, registers their fake implementations for
 torch.compile, and exports the shape rules the kernels have, read from the extension.
+:func:`moe` is the differentiable entry point for training: its backward runs flash_moe's
+own kernels, registered with ``torch.library.register_autograd``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "MXFP8_SCALE_BLOCK",
     "fused_moe_bf16",
     "get_num_sms",
+    "moe",
     "moe_align",
     "moe_align_max_padded",
     "set_num_sms",
@@ -142,6 +145,37 @@ def fused_moe_bf16(
     return out
 
 
+def moe(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    mxfp8: bool = False,
+) -> torch.Tensor:
+    """The MoE layer's expert computation for training: ``out[t] = sum_j topk_weights[t, j]
+    * (silu(x_t gate_e^T) * (x_t up_e^T)) w2_e^T`` with ``e = topk_ids[t, j]`` (ids outside
+    [0, E) are dropped pairs), differentiable w.r.t. ``x``, ``w``, ``w2`` and
+    ``topk_weights``. Runs :func:`moe_align` and the deterministic (split) forward, keeping the
+    gate/up pre-activations (len(sorted_token_ids) x 2H bf16) for the backward, whose kernels
+    compute only the gradients of inputs that require them, bitwise repeatably. The shapes it
+    takes are those :func:`unsupported_shape_reason` accepts.
+
+    ``mxfp8=True`` (the MXFP8 forward with a bf16 backward) needs ``fused_moe_mxfp8``, which
+    this install does not have yet: it raises NotImplementedError."""
+    if mxfp8:
+        raise NotImplementedError(
+            "flash_moe.moe(mxfp8=True) runs fused_moe_mxfp8 forward, which this install does "
+            "not have yet on sm_90; use mxfp8=False (bf16)"
+        )
+    sorted_ids, expert_ids, total = moe_align(topk_ids, w.shape[0], BLOCK_M)
+    out, _, _ = torch.ops.prime_moe.moe_forward(
+        x, w, w2, sorted_ids, expert_ids, total, topk_weights, topk_ids.shape[1]
+    )
+    return out
+
+
 if EXTENSION_BUILT:
 
     @torch.library.register_fake("prime_moe::moe_align")
@@ -173,6 +207,95 @@ if EXTENSION_BUILT:
         split=True,
     ):
         return None
+
+    @torch.library.register_fake("prime_moe::moe_forward")
+    def _moe_forward_fake(
+        x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k
+    ):
+        T, D = x.shape
+        H = w.shape[1] // 2
+        return (
+            x.new_empty((T, D)),
+            x.new_empty((sorted_token_ids.shape[0], 2 * H)),
+            sorted_token_ids.new_empty((T * top_k,)),
+        )
+
+    @torch.library.register_fake("prime_moe::moe_backward")
+    def _moe_backward_fake(
+        grad_out,
+        x,
+        w,
+        w2,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        topk_weights,
+        z,
+        pair_to_row,
+        top_k,
+        need_dx,
+        need_dw,
+        need_dw2,
+        need_dtopk_weights,
+    ):
+        def grad(need, like):
+            return like.new_empty(like.shape if need else (0,))
+
+        return (
+            grad(need_dx, x),
+            grad(need_dw, w),
+            grad(need_dw2, w2),
+            grad(need_dtopk_weights, topk_weights),
+        )
+
+    def _moe_forward_setup_context(ctx, inputs, output):
+        x, w, w2, sorted_ids, expert_ids, total, topk_weights, top_k = inputs
+        _, z, pair_to_row = output
+        # Only out carries a gradient; z and pair_to_row are what backward keeps.
+        ctx.mark_non_differentiable(z, pair_to_row)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, w, w2, sorted_ids, expert_ids, total, topk_weights, z, pair_to_row)
+        ctx.top_k = top_k
+
+    def _moe_forward_backward(ctx, grad_out, _grad_z, _grad_pair_to_row):
+        need = ctx.needs_input_grad
+        need_dx, need_dw, need_dw2, need_dtw = need[0], need[1], need[2], need[6]
+        if grad_out is None or not (need_dx or need_dw or need_dw2 or need_dtw):
+            return None, None, None, None, None, None, None, None
+        x, w, w2, sorted_ids, expert_ids, total, topk_weights, z, pair_to_row = ctx.saved_tensors
+        dx, dw, dw2, dtw = torch.ops.prime_moe.moe_backward(
+            grad_out.contiguous(),
+            x,
+            w,
+            w2,
+            sorted_ids,
+            expert_ids,
+            total,
+            topk_weights,
+            z,
+            pair_to_row,
+            ctx.top_k,
+            need_dx,
+            need_dw,
+            need_dw2,
+            need_dtw,
+        )
+        return (
+            dx if need_dx else None,
+            dw if need_dw else None,
+            dw2 if need_dw2 else None,
+            None,
+            None,
+            None,
+            dtw if need_dtw else None,
+            None,
+        )
+
+    torch.library.register_autograd(
+        "prime_moe::moe_forward",
+        _moe_forward_backward,
+        setup_context=_moe_forward_setup_context,
+    )
 
 
 def self_check(T: int = 1024, D: int = 1024, H: int = 512, E: int = 16, k: int = 4):

@@ -14,10 +14,12 @@
 #include <initializer_list>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "flash_moe_constants.h"
 #include "fused_moe_bf16.h"
 #include "moe_align.h"
+#include "moe_backward.h"
 #include "prime_kernels/binding.h"
 
 namespace prime_moe {
@@ -80,11 +82,16 @@ std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_expert
   return {sorted_token_ids, expert_ids, num_tokens_post_padded};
 }
 
-void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids,
-                    Tensor num_tokens_post_padded, Tensor topk_weights, Tensor out, int64_t top_k,
-                    int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
-                    int64_t cpc, bool split) {
-  constexpr const char* op = "fused_moe_bf16";
+// The forward's tensors, checked in the order the messages promise (what each tensor is,
+// then the shapes, then where), as the launcher's problem. With check_device false the
+// caller checks more shapes first and then the devices of all its tensors.
+FusedMoeBf16Problem forward_problem(const char* op, const Tensor& x, const Tensor& w,
+                                    const Tensor& w2, const Tensor& sorted_token_ids,
+                                    const Tensor& expert_ids, const Tensor& num_tokens_post_padded,
+                                    const Tensor& topk_weights, const Tensor* out,
+                                    const char* out_name, int64_t top_k, int64_t block_m,
+                                    int64_t bpc, bool check_device = true) {
+  const Tensor& out_or_x = out != nullptr ? *out : x;
   const std::initializer_list<TensorArg> tensors = {
       {"x", x, ScalarType::BFloat16, 2},
       {"w", w, ScalarType::BFloat16, 3},
@@ -93,7 +100,7 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
       {"expert_ids", expert_ids, ScalarType::Int, 1},
       {"num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, 1},
       {"topk_weights", topk_weights, ScalarType::Float, 2},
-      {"out", out, ScalarType::BFloat16, 2}};
+      {out != nullptr ? out_name : "x", out_or_x, ScalarType::BFloat16, 2}};
   check_tensors(op, tensors);
 
   const int64_t T = x.size(0), D = x.size(1);
@@ -104,7 +111,7 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
          ") with gate rows [0, H) and up rows [H, 2H), got ", shape_of(w));
   }
   check_shape(op, "w2", w2, {E, D, H}, "(E, dim, hidden_dim)");
-  check_shape(op, "out", out, {T, D}, "(T, dim), like x");
+  if (out != nullptr) check_shape(op, out_name, *out, {T, D}, "(T, dim), like x");
   check_shape(op, "topk_weights", topk_weights, {T, top_k}, "(T, top_k), read at t * top_k + j");
   check_shape(op, "num_tokens_post_padded", num_tokens_post_padded, {1},
               "(moe_align's padded total)");
@@ -128,14 +135,7 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
          max_padded / block_m, ", got ", expert_ids.size(0),
          "; pass moe_align's output for the same block_m");
   }
-  // Tuning values are small ints on the device side: refuse what would not survive the cast.
-  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"block_n", block_n},
-                                    {"warp_n", warp_n},
-                                    {"stages", stages},
-                                    {"cpc", cpc}}) {
-    if (value < 0 || value > 1024) fail(op, name, "=", value, " must be in [0, 1024]");
-  }
-  const int32_t device = check_devices(op, tensors);
+  const int32_t device = check_device ? check_devices(op, tensors) : -1;
 
   FusedMoeBf16Problem problem{};
   problem.x = static_cast<const __nv_bfloat16*>(x.const_data_ptr());
@@ -145,7 +145,7 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
   problem.expert_ids = expert_ids.const_data_ptr<int32_t>();
   problem.num_tokens_post_padded = num_tokens_post_padded.const_data_ptr<int32_t>();
   problem.topk_weights = topk_weights.const_data_ptr<float>();
-  problem.out = static_cast<__nv_bfloat16*>(out.mutable_data_ptr());
+  problem.out = out != nullptr ? static_cast<__nv_bfloat16*>(out->mutable_data_ptr()) : nullptr;
   problem.num_tokens = T;
   problem.dim = D;
   problem.hidden_dim = H;
@@ -154,16 +154,13 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
   problem.max_padded = max_padded;
   problem.block_m = block_m;
   problem.device = device;
+  return problem;
+}
 
-  FusedMoeBf16Config requested;
-  requested.block_n = static_cast<int>(block_n);
-  requested.warp_n = static_cast<int>(warp_n);
-  requested.stages = static_cast<int>(stages);
-  requested.bpc = static_cast<int>(bpc);
-  requested.cpc = static_cast<int>(cpc);
-  requested.split = split;
-  // The tuned choice depends on x's device (SM count, shared memory per block).
-  torch::stable::accelerator::DeviceGuard guard(device);
+// Checks the problem against the kernels' rules, resolves the tiles (x's device decides)
+// and enqueues the forward. The caller holds a guard for problem.device.
+void run_forward(const char* op, const Tensor& x, const FusedMoeBf16Problem& problem,
+                 const FusedMoeBf16Config& requested) {
   const std::string problem_error = check_fused_moe_bf16(problem, requested);
   if (!problem_error.empty()) fail(op, problem_error);
   const FusedMoeBf16Config config = resolve_fused_moe_bf16_config(problem, requested);
@@ -171,14 +168,137 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
     std::fprintf(stderr, "%s: %s\n", op,
                  describe_fused_moe_bf16_config(problem, requested, config).c_str());
   }
-  if (T == 0) return;  // nothing to write, nothing launched
+  if (problem.num_tokens == 0) return;  // nothing to write, nothing launched
 
   const int64_t workspace_bytes =
       static_cast<int64_t>(fused_moe_bf16_workspace_bytes(problem, config));
   Tensor workspace =
       torch::stable::new_empty(x, {workspace_bytes > 0 ? workspace_bytes : 1}, ScalarType::Byte);
   check_cuda(op, launch_fused_moe_bf16(problem, config, workspace.mutable_data_ptr(),
-                                       current_stream(device)));
+                                       current_stream(problem.device)));
+}
+
+void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids,
+                    Tensor num_tokens_post_padded, Tensor topk_weights, Tensor out, int64_t top_k,
+                    int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
+                    int64_t cpc, bool split) {
+  constexpr const char* op = "fused_moe_bf16";
+  // Tuning values are small ints on the device side: refuse what would not survive the cast.
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"block_n", block_n},
+                                    {"warp_n", warp_n},
+                                    {"stages", stages},
+                                    {"cpc", cpc}}) {
+    if (value < 0 || value > 1024) fail(op, name, "=", value, " must be in [0, 1024]");
+  }
+  const FusedMoeBf16Problem problem =
+      forward_problem(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                      topk_weights, &out, "out", top_k, block_m, bpc);
+  FusedMoeBf16Config requested;
+  requested.block_n = static_cast<int>(block_n);
+  requested.warp_n = static_cast<int>(warp_n);
+  requested.stages = static_cast<int>(stages);
+  requested.bpc = static_cast<int>(bpc);
+  requested.cpc = static_cast<int>(cpc);
+  requested.split = split;
+  torch::stable::accelerator::DeviceGuard guard(problem.device);
+  run_forward(op, x, problem, requested);
+}
+
+// The training forward: fused_moe_bf16's split path (deterministic) into a new out, keeping
+// for moe_backward the gate/up pre-activations z (max_padded, 2H) and each pair's padded row.
+std::tuple<Tensor, Tensor, Tensor> moe_forward(Tensor x, Tensor w, Tensor w2,
+                                               Tensor sorted_token_ids, Tensor expert_ids,
+                                               Tensor num_tokens_post_padded, Tensor topk_weights,
+                                               int64_t top_k) {
+  constexpr const char* op = "moe_forward";
+  // The backward's tiles take moe_align's default layout (block_m = BLOCK_M, bpc = 1).
+  FusedMoeBf16Problem problem =
+      forward_problem(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                      topk_weights, nullptr, nullptr, top_k, kBlockM, 1);
+  torch::stable::accelerator::DeviceGuard guard(problem.device);
+  const int64_t T = problem.num_tokens, D = problem.dim, H = problem.hidden_dim;
+  Tensor out = torch::stable::new_empty(x, {T, D});
+  Tensor z = torch::stable::new_empty(x, {problem.max_padded, 2 * H});
+  Tensor pair_to_row = torch::stable::new_empty(sorted_token_ids, {T * top_k});
+  problem.out = static_cast<__nv_bfloat16*>(out.mutable_data_ptr());
+  problem.keep_z = static_cast<__nv_bfloat16*>(z.mutable_data_ptr());
+  problem.keep_pair_to_row = pair_to_row.mutable_data_ptr<int32_t>();
+  run_forward(op, x, problem, FusedMoeBf16Config{});
+  return {out, z, pair_to_row};
+}
+
+// The gradients of moe_forward for dO = grad_out; each one not asked for comes back as an
+// empty (0,) tensor and costs nothing.
+std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
+    Tensor grad_out, Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids,
+    Tensor num_tokens_post_padded, Tensor topk_weights, Tensor z, Tensor pair_to_row, int64_t top_k,
+    bool need_dx, bool need_dw, bool need_dw2, bool need_dtopk_weights) {
+  constexpr const char* op = "moe_backward";
+  const std::initializer_list<TensorArg> kept = {{"z", z, ScalarType::BFloat16, 2},
+                                                 {"pair_to_row", pair_to_row, ScalarType::Int, 1}};
+  check_tensors(op, kept);
+  FusedMoeBf16Problem fwd =
+      forward_problem(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                      topk_weights, &grad_out, "grad_out", top_k, kBlockM, 1,
+                      /*check_device=*/false);
+  const int64_t T = fwd.num_tokens, D = fwd.dim, H = fwd.hidden_dim, E = fwd.num_experts;
+  check_shape(op, "z", z, {fwd.max_padded, 2 * H},
+              "(len(sorted_token_ids), 2 * hidden_dim), as moe_forward returned it");
+  check_shape(op, "pair_to_row", pair_to_row, {T * top_k},
+              "(T * top_k,), as moe_forward returned it");
+  fwd.device =
+      check_devices(op, {{"x", x, ScalarType::BFloat16, 2},
+                         {"w", w, ScalarType::BFloat16, 3},
+                         {"w2", w2, ScalarType::BFloat16, 3},
+                         {"sorted_token_ids", sorted_token_ids, ScalarType::Int, 1},
+                         {"expert_ids", expert_ids, ScalarType::Int, 1},
+                         {"num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, 1},
+                         {"topk_weights", topk_weights, ScalarType::Float, 2},
+                         {"grad_out", grad_out, ScalarType::BFloat16, 2},
+                         {"z", z, ScalarType::BFloat16, 2},
+                         {"pair_to_row", pair_to_row, ScalarType::Int, 1}});
+
+  torch::stable::accelerator::DeviceGuard guard(fwd.device);
+  auto grad = [](bool need, std::vector<int64_t> shape, const Tensor& like) {
+    return torch::stable::new_empty(like, need ? shape : std::vector<int64_t>{0});
+  };
+  Tensor dx = grad(need_dx, {T, D}, x);
+  Tensor dw = grad(need_dw, {E, 2 * H, D}, w);
+  Tensor dw2 = grad(need_dw2, {E, D, H}, w2);
+  Tensor dtopk_weights = grad(need_dtopk_weights, {T, top_k}, topk_weights);
+
+  MoeBackwardProblem problem{};
+  problem.grad_out = static_cast<const __nv_bfloat16*>(grad_out.const_data_ptr());
+  problem.x = fwd.x;
+  problem.w = fwd.w;
+  problem.w2 = fwd.w2;
+  problem.sorted_token_ids = fwd.sorted_token_ids;
+  problem.expert_ids = fwd.expert_ids;
+  problem.num_tokens_post_padded = fwd.num_tokens_post_padded;
+  problem.topk_weights = fwd.topk_weights;
+  problem.z = static_cast<const __nv_bfloat16*>(z.const_data_ptr());
+  problem.pair_to_row = pair_to_row.const_data_ptr<int32_t>();
+  problem.dx = need_dx ? static_cast<__nv_bfloat16*>(dx.mutable_data_ptr()) : nullptr;
+  problem.dw = need_dw ? static_cast<__nv_bfloat16*>(dw.mutable_data_ptr()) : nullptr;
+  problem.dw2 = need_dw2 ? static_cast<__nv_bfloat16*>(dw2.mutable_data_ptr()) : nullptr;
+  problem.dtopk_weights = need_dtopk_weights ? dtopk_weights.mutable_data_ptr<float>() : nullptr;
+  problem.num_tokens = T;
+  problem.dim = D;
+  problem.hidden_dim = H;
+  problem.num_experts = E;
+  problem.top_k = top_k;
+  problem.max_padded = fwd.max_padded;
+  problem.block_m = kBlockM;
+  problem.device = fwd.device;
+  const std::string problem_error = check_moe_backward(problem);
+  if (!problem_error.empty()) fail(op, problem_error);
+
+  const int64_t workspace_bytes = static_cast<int64_t>(moe_backward_workspace_bytes(problem));
+  Tensor workspace =
+      torch::stable::new_empty(x, {workspace_bytes > 0 ? workspace_bytes : 1}, ScalarType::Byte);
+  check_cuda(
+      op, launch_moe_backward(problem, workspace.mutable_data_ptr(), current_stream(fwd.device)));
+  return {dx, dw, dw2, dtopk_weights};
 }
 
 }  // namespace
@@ -193,11 +313,22 @@ STABLE_TORCH_LIBRARY(prime_moe, m) {
       "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
       "Tensor(a!) out, int top_k, int block_m=128, int block_n=0, int warp_n=0, "
       "int stages=0, int bpc=1, int cpc=0, bool split=True) -> ()");
+  m.def(
+      "moe_forward(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
+      "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k) -> "
+      "(Tensor out, Tensor z, Tensor pair_to_row)");
+  m.def(
+      "moe_backward(Tensor grad_out, Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, "
+      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, Tensor z, "
+      "Tensor pair_to_row, int top_k, bool need_dx, bool need_dw, bool need_dw2, "
+      "bool need_dtopk_weights) -> (Tensor dx, Tensor dw, Tensor dw2, Tensor dtopk_weights)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {
   m.impl("moe_align", TORCH_BOX(&prime_moe::moe_align));
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
+  m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
+  m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
 }
 
 // CPU tensors reach the same checks, so they get the message naming the argument and the
@@ -205,6 +336,8 @@ STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {
 STABLE_TORCH_LIBRARY_IMPL(prime_moe, CPU, m) {
   m.impl("moe_align", TORCH_BOX(&prime_moe::moe_align));
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
+  m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
+  m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
 }
 
 // The extension module carries the constants and the SM setting; the ops live in

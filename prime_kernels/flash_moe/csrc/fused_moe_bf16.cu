@@ -3,6 +3,8 @@
 //
 // split=true:  memset pair_to_row to -1, gate/up GEMM (+ SwiGLU, + pair_to_row scatter)
 //              into h, down GEMM into y, deterministic combine into out: 4 stream ops.
+//              Training (problem.keep_z): the same, with the gate/up epilogue also keeping
+//              z = [g | u] and pair_to_row written to the caller's tensors, for backward.
 // split=false: gate/up GEMM into h, then the down GEMM adds weight * y straight into the
 //              caller-zeroed out with bf16x2 atomics: two kernels, since the down GEMM of a
 //              block needs all H columns of h, which come from ceil(H / block_n) CTAs.
@@ -16,6 +18,7 @@
 #include "device/combine.cuh"
 #include "device/moe_gemm.cuh"
 #include "flash_moe_constants.h"
+#include "moe_launch.h"
 #include "prime_kernels/tma.cuh"
 
 namespace prime_moe {
@@ -27,7 +30,8 @@ template <int kBlockM, int kBlockN>
 struct ForwardKernels {
   using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
   using DownTile = MoeGemmTile<kBlockM, 2 * kBlockN, 1>;
-  using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToH>;
+  using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToH<false>>;
+  using GateUpKeepZ = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToH<true>>;
   using DownStore = MoeGemm<DownTile, TmaRows<DownTile>, StoreRows>;
   using DownAtomic = MoeGemm<DownTile, TmaRows<DownTile>, WeightedAtomicAdd>;
   static_assert(GateUpTile::kStageBytes == DownTile::kStageBytes,
@@ -77,30 +81,11 @@ constexpr int kMaxStages = 8;
 
 std::atomic<int> g_num_sms{0};
 
-size_t align256(size_t bytes) {
-  return (bytes + 255) & ~size_t(255);
-}
-
-int device_attribute(cudaDeviceAttr attr, int device) {
-  int value = 0;
-  if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) return 0;
-  return value;
-}
-
-// SMs the persistent kernels may use on this device.
-int usable_sms(int device) {
-  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-  const int cap = g_num_sms.load(std::memory_order_relaxed);
-  return cap > 0 ? std::min(cap, sms) : sms;
-}
-
 // The deepest ring the device's shared memory holds for this tile (0: not instantiated).
 int max_stages(int block_m, int block_n, int device) {
-  const size_t limit = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   int stages = 0;
   with_forward_kernels(block_m, block_n, [&](auto kernels) {
-    using K = decltype(kernels);
-    while (stages < kMaxStages && K::smem_bytes(stages + 1) <= limit) ++stages;
+    stages = ring_stages<typename decltype(kernels)::GateUp>(device, kMaxStages);
   });
   return stages;
 }
@@ -111,7 +96,7 @@ bool is_original_tile(int block_n, int warp_n) {
 }
 
 struct Workspace {
-  int32_t* pair_to_row;  // (T * k,) split only
+  int32_t* pair_to_row;  // (T * k,) split only: the caller's when training keeps it
   __nv_bfloat16* h;      // (max_padded, H)
   __nv_bfloat16* y;      // (max_padded, D) split only
   size_t bytes;
@@ -121,7 +106,9 @@ Workspace carve_workspace(const FusedMoeBf16Problem& pr, bool split, void* base)
   uint8_t* p = static_cast<uint8_t*>(base);
   Workspace ws{};
   size_t off = 0;
-  if (split) {
+  if (split && pr.keep_pair_to_row != nullptr) {
+    ws.pair_to_row = pr.keep_pair_to_row;
+  } else if (split) {
     ws.pair_to_row = reinterpret_cast<int32_t*>(p + off);
     off += align256(size_t(pr.num_tokens * pr.top_k) * sizeof(int32_t));
   }
@@ -133,27 +120,6 @@ Workspace carve_workspace(const FusedMoeBf16Problem& pr, bool split, void* base)
   }
   ws.bytes = off;
   return ws;
-}
-
-template <class Kernel>
-cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
-                        const MoeGemmParams& params, int num_sms, cudaStream_t stream) {
-  using Tile = typename Kernel::Tile;
-  auto* kernel = moe_gemm_kernel<Kernel>;
-  const size_t smem = Kernel::smem_bytes(params.stages);
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
-  // Persistent: one CTA per SM (or fewer when even the padded maximum has fewer tiles).
-  const int64_t max_tiles = int64_t(params.max_padded / Tile::kBlockM) *
-                            ((params.n_dim + Tile::kBlockN - 1) / Tile::kBlockN);
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tiles)));
-  kernel<<<grid, Kernel::kThreads, smem, stream>>>(tmap_a, tmap_b, params);
-  return cudaGetLastError();
-}
-
-bool aligned16(const void* ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
 }
 
 }  // namespace
@@ -278,6 +244,9 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
   if (!is_instantiated(int(pr.block_m), c.block_n) || c.stages < kMinStages ||
       c.stages > max_stages(int(pr.block_m), c.block_n, pr.device))
     return cudaErrorInvalidValue;
+  if ((pr.keep_z != nullptr) != (pr.keep_pair_to_row != nullptr) ||
+      (pr.keep_z != nullptr && !c.split))
+    return cudaErrorInvalidValue;  // training keeps both, on the split path
   const Workspace ws = carve_workspace(pr, c.split, workspace);
   const int num_sms = usable_sms(pr.device);
   if (num_sms == 0) return cudaErrorInvalidDevice;
@@ -295,6 +264,7 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
     g.expert_ids = pr.expert_ids;
     g.num_tokens_post_padded = pr.num_tokens_post_padded;
     g.x = pr.x;
+    g.ld_x = D;
     g.topk_weights = pr.topk_weights;
     g.max_padded = int(pr.max_padded);
     g.num_pairs = num_pairs;
@@ -309,6 +279,7 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
     MoeGemmParams gate_up = g;
     gate_up.pair_to_row = c.split ? ws.pair_to_row : nullptr;
     gate_up.out = ws.h;
+    gate_up.z = pr.keep_z;
     gate_up.ld_out = H;
     gate_up.k_dim = D;
     gate_up.n_dim = H;
@@ -330,7 +301,9 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
 
     const bool found = with_forward_kernels(int(pr.block_m), c.block_n, [&](auto kernels) {
       using K = decltype(kernels);
-      err = launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
+      err = pr.keep_z != nullptr
+                ? launch_gemm<typename K::GateUpKeepZ>(tmap_w, tmap_w, gate_up, num_sms, stream)
+                : launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
       if (err != cudaSuccess) return;
       err = c.split ? launch_gemm<typename K::DownStore>(tmap_h, tmap_w2, down, num_sms, stream)
                     : launch_gemm<typename K::DownAtomic>(tmap_h, tmap_w2, down, num_sms, stream);

@@ -24,6 +24,11 @@ struct FusedMoeBf16Problem {
   const int32_t* num_tokens_post_padded;  // (1,), device memory: never read on the host
   const float* topk_weights;              // (T * k,)
   __nv_bfloat16* out;                     // (T, D)
+  // Training (split=true only; both or neither): what the backward keeps, written by the
+  // forward. keep_z (max_padded, 2H): the gate/up pre-activations [g | u] of each padded
+  // row; keep_pair_to_row (T * k,): each pair's padded row, -1 for a dropped pair.
+  __nv_bfloat16* keep_z = nullptr;
+  int32_t* keep_pair_to_row = nullptr;
   int64_t num_tokens, dim, hidden_dim, num_experts, top_k, max_padded, block_m;
   int device;  // CUDA device of every tensor: the tuned config is read from its properties
 };

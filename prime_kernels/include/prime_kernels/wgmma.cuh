@@ -1,7 +1,8 @@
-// wgmma (sm_90a) helpers: shared-memory matrix descriptors for the 128-byte swizzle,
-// the fence/commit/wait instructions, and m64nNk16 bf16 x bf16 -> fp32 with both operands
-// K-major in shared memory. Only the N values the flash_moe kernels use are spelled out
-// (wgmma takes its accumulators as an explicit register list, so each N is its own asm).
+// wgmma (sm_90a) helpers: shared-memory matrix descriptors for the 128-byte swizzle (K-major
+// and MN-major operand tiles), the fence/commit/wait instructions, and m64nNk16 bf16 x bf16
+// -> fp32 with either operand K-major or MN-major (transposed) in shared memory. Only the N
+// values the flash_moe kernels use are spelled out (wgmma takes its accumulators as an
+// explicit register list, so each N is its own asm).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,44 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem_ptr) {
   return desc;
 }
 
+// How an operand tile sits in shared memory, as the wgmma mainloop needs it: its descriptor,
+// how far the descriptor moves per 16-element K step, and wgmma's transpose flag.
+//
+// SmemKMajor: one 128-byte row per M (or N) index holding 64 K elements (a TMA box of
+// rows x 64 with the 128-byte swizzle, or the same layout gathered by hand). The forward's
+// operands: token rows of x or h, weight rows of w or w2.
+struct SmemKMajor {
+  static constexpr int kTrans = 0;
+  static constexpr uint64_t kDescPerK16 = 32 >> 4;  // 16 bf16 along the row
+  __device__ __forceinline__ static uint64_t desc(const void* tile) {
+    return make_smem_desc_sw128(tile);
+  }
+};
+
+// SmemMNMajor: chunks of 64 M (or N) indices, each 64 K rows of 128 bytes (one TMA box of 64
+// contiguous elements x 64 rows, 128-byte swizzle), chunk c at c * 8 KB. In the canonical
+// MN-major SW128 layout ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)) the leading byte offset is the
+// chunk stride (8 KB) and the stride byte offset the 8-row group stride (1 KB); a 16-row K
+// step moves 2 KB. Used where the reduction runs along a tensor's rows: the weights read
+// transposed by the backward's activation gradients, and both operands of the weight
+// gradients (tokens are their K). An index n of the tile sits at (n / 64) * 8 KB =
+// n * 128 bytes for multiples of 64, as in SmemKMajor, so tile offsets are the same.
+struct SmemMNMajor {
+  static constexpr int kTrans = 1;
+  static constexpr int kChunk = 64;             // MN indices per 128-byte row
+  static constexpr int kChunkBytes = 64 * 128;  // 64 K rows
+  static constexpr uint64_t kDescPerK16 = (16 * 128) >> 4;
+  __device__ __forceinline__ static uint64_t desc(const void* tile) {
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
+    uint64_t d = 0;
+    d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);   // start address
+    d |= static_cast<uint64_t>(kChunkBytes >> 4) << 16;  // LBO: next 64 MN indices
+    d |= static_cast<uint64_t>(1024 >> 4) << 32;         // SBO: next 8 K rows
+    d |= static_cast<uint64_t>(1) << 62;                 // 128B swizzle
+    return d;
+  }
+};
+
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -43,16 +82,16 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kRegs]) {
 }
 
 // D(64 x N, fp32) (+)= A(64 x 16, smem) * B(N x 16, smem)^T. scale_d = 0 overwrites D.
+// kTransA / kTransB: 0 for a K-major operand tile, 1 for an MN-major one (bf16 allows both).
 // Accumulator layout (per thread t of the warpgroup, warp w = t / 32, lane l): register
 // 4*j + 2*i + c holds row 16*w + l/4 + 8*i, column 8*j + 2*(l%4) + c.
-template <int N>
+template <int N, int kTransA = 0, int kTransB = 0>
 struct WgmmaBf16;
 
-// What every bf16 atom shares: K = 16 per instruction, so the descriptors advance by
-// 32 bytes (2 in their 16-byte address units) per K step.
+// What every bf16 atom shares: K = 16 per instruction (the operand layouts say how far
+// their descriptors move per step).
 struct WgmmaBf16K16 {
   static constexpr int kK = 16;
-  static constexpr int kDescK = 16 * 2 / 16;
 };
 
 // Row and column, inside the warpgroup's 64 x N accumulator tile, of the calling thread's
@@ -71,8 +110,8 @@ __device__ __forceinline__ float wgmma_acc_at(const float (&acc)[kMmas][kRegs], 
   return acc[f / kRegs][f % kRegs];
 }
 
-template <>
-struct WgmmaBf16<32> : WgmmaBf16K16 {
+template <int kTransA, int kTransB>
+struct WgmmaBf16<32, kTransA, kTransB> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 16;
   __device__ __forceinline__ static void mma(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {
@@ -80,16 +119,16 @@ struct WgmmaBf16<32> : WgmmaBf16K16 {
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, "
-        "1, 0, 0;\n}\n"
+        "1, %19, %20;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
   }
 };
 
-template <>
-struct WgmmaBf16<64> : WgmmaBf16K16 {
+template <int kTransA, int kTransB>
+struct WgmmaBf16<64, kTransA, kTransB> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 32;
   __device__ __forceinline__ static void mma(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {
@@ -97,19 +136,19 @@ struct WgmmaBf16<64> : WgmmaBf16K16 {
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, "
-        "0;\n}\n"
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, "
+        "%36;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
           "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
           "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
   }
 };
 
-template <>
-struct WgmmaBf16<128> : WgmmaBf16K16 {
+template <int kTransA, int kTransB>
+struct WgmmaBf16<128, kTransA, kTransB> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 64;
   __device__ __forceinline__ static void mma(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {
@@ -119,7 +158,7 @@ struct WgmmaBf16<128> : WgmmaBf16K16 {
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
         "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, "
         "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
-        "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -130,12 +169,12 @@ struct WgmmaBf16<128> : WgmmaBf16K16 {
           "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
           "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
   }
 };
 
-template <>
-struct WgmmaBf16<256> : WgmmaBf16K16 {
+template <int kTransA, int kTransB>
+struct WgmmaBf16<256, kTransA, kTransB> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 128;
   __device__ __forceinline__ static void mma(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {
@@ -149,7 +188,7 @@ struct WgmmaBf16<256> : WgmmaBf16K16 {
         "%73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, "
         "%91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, "
         "%107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, "
-        "%122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        "%122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %131, %132;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -169,7 +208,7 @@ struct WgmmaBf16<256> : WgmmaBf16K16 {
           "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
           "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
           "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
   }
 };
 

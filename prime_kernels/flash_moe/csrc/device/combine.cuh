@@ -1,7 +1,11 @@
-// Deterministic combine of the split path: out[t] = bf16(sum_{j=0..k-1} w[t*k+j] *
-// y[row of pair t*k+j]) in fp32, in order j = 0..k-1; a pair with no row (dropped, or in
-// a skipped block) adds nothing, so a token with every pair dropped gets 0. Memory-bound:
-// 16-byte loads and stores, one CTA per token.
+// Deterministic per-token and per-pair reductions, each in a fixed order.
+// moe_combine_kernel: the split path's out[t] = bf16(sum_{j=0..k-1} w[t*k+j] * y[row of pair
+// t*k+j]) in fp32, in order j = 0..k-1 (w = 1 when topk_weights is null: the backward's
+// dx[t] from its per-pair dxe rows); a pair with no row (dropped, or in a skipped block) adds
+// nothing, so a token with every pair dropped gets 0. Memory-bound: 16-byte loads and
+// stores, one CTA per token.
+// moe_routing_weight_grad_kernel: the backward's ds[p] = sum_n ds_part[p][n] in order
+// n = 0.., 0 for a dropped pair.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,7 +17,7 @@ namespace prime_moe {
 struct CombineParams {
   const __nv_bfloat16* y;      // (max_padded, D)
   const int32_t* pair_to_row;  // (T * k,) row or -1
-  const float* topk_weights;   // (T * k,)
+  const float* topk_weights;   // (T * k,), or null for weights of 1
   __nv_bfloat16* out;          // (T, D)
   int dim, top_k;
 };
@@ -25,7 +29,8 @@ constexpr int kCombineThreads = 128;
 // sum still runs in order j = 0..k-1.
 constexpr int kCombinePairsInFlight = 8;
 
-__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const CombineParams p) {
+static __global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const CombineParams p) {
   const int token = blockIdx.x;
   const int pair0 = token * p.top_k;
   for (int c = threadIdx.x * 8; c < p.dim; c += kCombineThreads * 8) {
@@ -42,7 +47,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Comb
 #pragma unroll
       for (int u = 0; u < kCombinePairsInFlight; ++u) {
         if (row[u] < 0) continue;  // dropped: adds nothing
-        const float w = p.topk_weights[pair0 + j0 + u];
+        const float w = p.topk_weights != nullptr ? p.topk_weights[pair0 + j0 + u] : 1.f;
         const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -58,6 +63,19 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Comb
     for (int e = 0; e < 4; ++e) o2[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
     *reinterpret_cast<uint4*>(p.out + size_t(token) * p.dim + c) = o;
   }
+}
+
+constexpr int kRoutingGradThreads = 256;
+
+static __global__ void __launch_bounds__(kRoutingGradThreads)
+    moe_routing_weight_grad_kernel(const float* ds_part, int ld_ds, const int32_t* pair_to_row,
+                                   int num_pairs, float* ds) {
+  const int pair = blockIdx.x * kRoutingGradThreads + threadIdx.x;
+  if (pair >= num_pairs) return;
+  float sum = 0.f;
+  if (pair_to_row[pair] >= 0)
+    for (int n = 0; n < ld_ds; ++n) sum += ds_part[size_t(pair) * ld_ds + n];
+  ds[pair] = sum;
 }
 
 }  // namespace prime_moe

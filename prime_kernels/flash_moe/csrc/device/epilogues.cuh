@@ -1,37 +1,49 @@
 // Epilogues of the fused MoE GEMMs: from a consumer warpgroup's fp32 accumulators (the
 // wgmma layout, several arrays read as one flat 64 x (kNumB * cols) tile) straight to
-// global memory. Each says how many weight tiles per stage it consumes (kNumB), which the
-// kernel checks against its tile.
-//   SwiGluToH          gate/up: h = bf16(silu(g) * u) into the (max_padded, H) workspace;
+// global memory. acc_valid is false where no K step ran (the accumulators hold nothing):
+// an empty expert's weight gradient (zeros), or a skipped half (rows without a pair). Each says how
+// many weight tiles per stage it consumes (kNumB), which the kernel checks against its tile, and
+// whether a 64-row half with no routed row must still be written (kWritesPaddingRows: its zeros are
+// read later).
+//   SwiGluToH<kKeepZ>  gate/up: h = bf16(silu(g) * u) into the (max_padded, H) workspace,
+//                      and for training also z = [bf16(g) | bf16(u)] (max_padded, 2H);
 //   StoreRows          down, split=true: y = bf16(acc) into the (max_padded, D) workspace,
-//                      combined later in a fixed order (deterministic, combine.cuh);
+//                      combined later in a fixed order (deterministic, combine.cuh); the
+//                      backward's dx per pair (dxe) likewise;
 //   WeightedAtomicAdd  down, split=false: out[token] += topk_weight * acc with bf16x2
-//                      atomics (the caller zeroed out; the k contributions land in any order).
-// (A shared-memory-staged TMA-store epilogue, the MXFP8 re-quantizing one and the SwiGLU
-// backward are further parts of this file's kind.)
+//                      atomics (the caller zeroed out; the k contributions land in any order);
+//   SwiGluBackward     dh: from dh' = dO w2_e (the accumulators) and the kept z, the SwiGLU
+//                      backward dz = [dg | du], y1s = bf16(s h) and <dh', h> per row;
+//   StoreExpertTile    weight gradients: bf16 tile of expert e's (m_dim, n_dim) gradient.
+// (A shared-memory-staged TMA-store epilogue and the MXFP8 re-quantizing one are further
+// parts of this file's kind.)
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "moe_gemm_params.cuh"
 #include "prime_kernels/wgmma.cuh"
+#include "schedulers.cuh"
 
 namespace prime_moe {
 
+template <bool kKeepZ>
 struct SwiGluToH {
   static constexpr int kNumB = 2;  // gate tile, up tile
+  static constexpr bool kWritesPaddingRows = false;
 
   // h rows are the padded-sorted rows; padding rows hold zeros (or nothing, in a skipped
-  // half), which only padding rows of the down GEMM see.
+  // half), which only padding rows of the down GEMM see. z's padding rows are never read.
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
-                                               const float (&acc)[kMmas][kRegs], int row0,
-                                               int col0) {
+                                               const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
+                                               const MoeWorkTile& /*w*/, int row0, int col0) {
     using namespace prime_kernels;
     constexpr int kHalf = kMmas * kRegs / 2;  // flat offset of the up columns
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      __nv_bfloat16* dst = p.out + size_t(row0 + wgmma_acc_row(i)) * p.ld_out;
+      const size_t row = size_t(row0 + wgmma_acc_row(i));
+      __nv_bfloat16* dst = p.out + row * p.ld_out;
 #pragma unroll
       for (int j = 0; j < kHalf / 4; ++j) {
         const int col = col0 + wgmma_acc_col(j);
@@ -43,6 +55,11 @@ struct SwiGluToH {
         const float h0 = g0 / (1.0f + __expf(-g0)) * u0;
         const float h1 = g1 / (1.0f + __expf(-g1)) * u1;
         *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
+        if constexpr (kKeepZ) {
+          __nv_bfloat16* z = p.z + row * (2 * size_t(p.n_dim));
+          *reinterpret_cast<__nv_bfloat162*>(z + col) = __floats2bfloat162_rn(g0, g1);
+          *reinterpret_cast<__nv_bfloat162*>(z + p.n_dim + col) = __floats2bfloat162_rn(u0, u1);
+        }
       }
     }
   }
@@ -50,11 +67,12 @@ struct SwiGluToH {
 
 struct StoreRows {
   static constexpr int kNumB = 1;
+  static constexpr bool kWritesPaddingRows = false;
 
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
-                                               const float (&acc)[kMmas][kRegs], int row0,
-                                               int col0) {
+                                               const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
+                                               const MoeWorkTile& /*w*/, int row0, int col0) {
     using namespace prime_kernels;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -72,11 +90,12 @@ struct StoreRows {
 
 struct WeightedAtomicAdd {
   static constexpr int kNumB = 1;
+  static constexpr bool kWritesPaddingRows = false;
 
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int npp,
-                                               const float (&acc)[kMmas][kRegs], int row0,
-                                               int col0) {
+                                               const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
+                                               const MoeWorkTile& /*w*/, int row0, int col0) {
     using namespace prime_kernels;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -91,6 +110,100 @@ struct WeightedAtomicAdd {
         atomicAdd(reinterpret_cast<__nv_bfloat162*>(dst + col),
                   __floats2bfloat162_rn(weight * wgmma_acc_at(acc, 4 * j + 2 * i),
                                         weight * wgmma_acc_at(acc, 4 * j + 2 * i + 1)));
+      }
+    }
+  }
+};
+
+// dh = dO_t w2_e^T per routed row (the accumulators: dh', before the routing weight s) and
+// the row's kept pre-activations g, u (bf16, from z) give, with h = silu(g) u recomputed in
+// fp32:  dz = [dg | du] with dg = s dh' u silu'(g), du = s dh' silu(g), silu'(g) =
+// sig(g) (1 + g (1 - sig(g)));  y1s = bf16(s h), the down projection's input scaled by the
+// routing weight (dW2's B operand);  ds_part[row][slice] = sum over the slice's columns of
+// dh' h (the routing weight's gradient <dO_t, y> = <dh', h> without y). Rows with no routed
+// pair get zeros in dz and y1s, which the weight gradients read as K rows. A null y1s or
+// ds_part is an output not asked for (w2 or the routing weights frozen).
+struct SwiGluBackward {
+  static constexpr int kNumB = 1;
+  static constexpr bool kWritesPaddingRows = true;
+
+  template <int kMmas, int kRegs>
+  __device__ __forceinline__ static void store(const MoeGemmParams& p, int npp,
+                                               const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
+                                               const MoeWorkTile& /*w*/, int row0, int col0) {
+    using namespace prime_kernels;
+    constexpr int kCols = kMmas * kRegs * 2;  // columns of this warpgroup's accumulators
+    const int H = p.n_dim;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const size_t row = size_t(row0 + wgmma_acc_row(i));
+      const int pair = routed_pair(p, npp, int(row));
+      const float s = pair >= 0 ? p.topk_weights[pair] : 0.f;
+      const __nv_bfloat16* z = p.z + row * (2 * size_t(H));
+      __nv_bfloat16* dz = p.out + row * (2 * size_t(H));
+      __nv_bfloat16* y1s = p.y1s + row * size_t(H);
+      float ds = 0.f;
+#pragma unroll
+      for (int j = 0; j < kCols / 8; ++j) {
+        const int col = col0 + wgmma_acc_col(j);
+        if (col >= H) continue;  // partial last n tile (H % block_n != 0)
+        __nv_bfloat162 dg2, du2, y2;
+        if (pair >= 0) {
+          const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(z + col));
+          const float2 u =
+              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(z + H + col));
+          const float d0 = wgmma_acc_at(acc, 4 * j + 2 * i);
+          const float d1 = wgmma_acc_at(acc, 4 * j + 2 * i + 1);
+          const float sig0 = 1.0f / (1.0f + __expf(-g.x));
+          const float sig1 = 1.0f / (1.0f + __expf(-g.y));
+          const float silu0 = g.x * sig0, silu1 = g.y * sig1;
+          const float h0 = silu0 * u.x, h1 = silu1 * u.y;
+          ds += d0 * h0 + d1 * h1;
+          dg2 = __floats2bfloat162_rn(s * d0 * u.x * sig0 * (1.0f + g.x * (1.0f - sig0)),
+                                      s * d1 * u.y * sig1 * (1.0f + g.y * (1.0f - sig1)));
+          du2 = __floats2bfloat162_rn(s * d0 * silu0, s * d1 * silu1);
+          y2 = __floats2bfloat162_rn(s * h0, s * h1);
+        } else {
+          dg2 = du2 = y2 = __floats2bfloat162_rn(0.f, 0.f);
+        }
+        *reinterpret_cast<__nv_bfloat162*>(dz + col) = dg2;
+        *reinterpret_cast<__nv_bfloat162*>(dz + H + col) = du2;
+        if (p.y1s != nullptr) *reinterpret_cast<__nv_bfloat162*>(y1s + col) = y2;
+      }
+      // The row's columns are spread over the 4 lanes of a quad: a fixed butterfly, so the
+      // sum's order is the same on every run.
+      ds += __shfl_xor_sync(0xFFFFFFFFu, ds, 1);
+      ds += __shfl_xor_sync(0xFFFFFFFFu, ds, 2);
+      if (p.ds_part != nullptr && pair >= 0 && threadIdx.x % 4 == 0)
+        p.ds_part[size_t(pair) * p.ld_ds + col0 / kCols] = ds;
+    }
+  }
+};
+
+// Expert w.expert's (m_dim, n_dim) weight gradient at p.out + expert * m_dim * n_dim, row
+// major; rows and columns past the gradient's extent (partial last tiles) are not written.
+struct StoreExpertTile {
+  static constexpr int kNumB = 1;
+  static constexpr bool kWritesPaddingRows = false;
+
+  template <int kMmas, int kRegs>
+  __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
+                                               const float (&acc)[kMmas][kRegs], bool acc_valid,
+                                               const MoeWorkTile& w, int row0, int col0) {
+    using namespace prime_kernels;
+    __nv_bfloat16* grad = p.out + size_t(w.expert) * p.m_dim * p.n_dim;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = row0 + wgmma_acc_row(i);
+      if (row >= p.m_dim) continue;
+      __nv_bfloat16* dst = grad + size_t(row) * p.ld_out;
+#pragma unroll
+      for (int j = 0; j < kMmas * kRegs / 4; ++j) {
+        const int col = col0 + wgmma_acc_col(j);
+        if (col >= p.n_dim) continue;
+        const float v0 = acc_valid ? wgmma_acc_at(acc, 4 * j + 2 * i) : 0.f;
+        const float v1 = acc_valid ? wgmma_acc_at(acc, 4 * j + 2 * i + 1) : 0.f;
+        *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(v0, v1);
       }
     }
   }

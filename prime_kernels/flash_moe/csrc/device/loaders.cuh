@@ -1,11 +1,23 @@
-// Producer parts of the fused MoE GEMMs: what fills a pipeline stage. A stage's weight
-// tiles always come by TMA; its A rows come either gathered token by token from x
-// (cp.async, the first GEMM: Hopper's TMA has no row gather) or by TMA from a dense
-// workspace (the second GEMM reads h). An A loader says how many threads it needs, how many
-// arrivals and TMA bytes the stage's full barrier expects from it, and whether it writes
-// shared memory through the generic proxy (then consumers fence before wgmma).
-// (A multicast weight loader for 2-CTA clusters, an fp8 loader with its scales, and a gather
-// along K for weight gradients are further parts of this file's kind.)
+// Producer parts of the fused MoE GEMMs: what fills a pipeline stage's A or B tile. Every
+// loader says how many producer threads it needs, how many arrivals and TMA bytes the
+// stage's full barrier expects from it, whether it writes shared memory through the generic
+// proxy (then consumers fence before wgmma), and the layout its tile has (SmemKMajor or
+// SmemMNMajor, wgmma.cuh). TMA loaders run on producer thread 0, which also posts the
+// stage's expected bytes.
+//
+// M-grouped GEMMs (K = a fixed dim; tiles are blocks of padded rows):
+//   TmaWeightTiles      B: kNumB K-major weight tiles (the forward: w, w2 rows);
+//   TmaWeightTilesMN    B: one MN-major weight tile, the weight read transposed (backward:
+//                       w2 for dh, w for dx);
+//   GatherTokenRows     A: token rows of x (or dO) gathered by cp.async (Hopper's TMA has
+//                       no row gather), K-major;
+//   TmaRows             A: rows of a dense (max_padded, K) workspace by TMA (h, dz).
+// K-grouped GEMMs (weight gradients; K = the expert's padded rows):
+//   GatherRowsAlongK    A or B: 64 token rows x kCols columns of x or dO per stage,
+//                       gathered by cp.async into the MN-major layout;
+//   TmaRowsAlongK       A or B: 64 workspace rows x kCols columns by TMA, MN-major.
+// (A multicast weight loader for 2-CTA clusters and an fp8 loader with its scales are
+// further parts of this file's kind.)
 #pragma once
 
 #include <cuda.h>
@@ -15,24 +27,74 @@
 #include "moe_gemm_params.cuh"
 #include "prime_kernels/mbarrier.cuh"
 #include "prime_kernels/tma.cuh"
+#include "prime_kernels/wgmma.cuh"
+#include "schedulers.cuh"
 
 namespace prime_moe {
+
+// What every TMA loader shares: one thread, completion counted in bytes, async-proxy writes.
+struct TmaLoader {
+  static constexpr int kThreads = 1;
+  static constexpr uint32_t kFullArrivals = 0;
+  static constexpr bool kGenericProxyWrites = false;
+  __device__ __forceinline__ explicit TmaLoader(int /*tid*/) {}
+};
 
 // kNumB weight tiles of kBlockN x 64 from the (E * b_rows_per_expert, K) view of the
 // weights: expert e's tile b starts at row e * b_rows_per_expert + n0 + b * b_second_offset.
 template <class Tile>
-struct TmaWeightTiles {
+struct TmaWeightTiles : TmaLoader {
+  using Layout = prime_kernels::SmemKMajor;
   static constexpr uint32_t kTmaBytes = Tile::kBBytes;
 
-  __device__ __forceinline__ static void load(const CUtensorMap* map, uint8_t* smem_b,
-                                              uint64_t* full, int kb, int b_row,
-                                              int second_offset) {
+  int b_row = 0;
+
+  using TmaLoader::TmaLoader;
+
+  __device__ __forceinline__ void start_tile(const MoeGemmParams& p, int /*npp*/,
+                                             const MoeWorkTile& w) {
+    b_row = w.expert * p.b_rows_per_expert + w.n0;
+  }
+
+  __device__ __forceinline__ void load(const MoeGemmParams& p, const CUtensorMap* map,
+                                       uint8_t* smem_b, uint64_t* full, int kb) const {
     using namespace prime_kernels;
     const uint32_t dst = smem_addr(smem_b);
 #pragma unroll
     for (int b = 0; b < Tile::kNumB; ++b)
       tma_load_2d(dst + b * Tile::kBlockN * 128, map, smem_addr(full), kb * Tile::kBlockK,
-                  b_row + b * second_offset);
+                  b_row + b * p.b_second_offset);
+  }
+};
+
+// One weight tile of kBlockN output columns x 64 K rows, from the (E * b_rows_per_expert,
+// n_dim) view of a weight whose rows are the GEMM's K (w2 as (E*D, H) for dh = dO w2_e, w as
+// (E*2H, D) for dx = dz w_e): kBlockN / 64 boxes of 64 columns x 64 rows, MN-major. Columns
+// past n_dim are zero-filled by TMA.
+template <class Tile>
+struct TmaWeightTilesMN : TmaLoader {
+  using Layout = prime_kernels::SmemMNMajor;
+  static constexpr uint32_t kTmaBytes = Tile::kBBytes;
+  static_assert(Tile::kNumB == 1 && Tile::kBlockN % 64 == 0, "whole 64-column chunks");
+
+  int k_row = 0, n0 = 0;
+
+  using TmaLoader::TmaLoader;
+
+  __device__ __forceinline__ void start_tile(const MoeGemmParams& p, int /*npp*/,
+                                             const MoeWorkTile& w) {
+    k_row = w.expert * p.b_rows_per_expert;
+    n0 = w.n0;
+  }
+
+  __device__ __forceinline__ void load(const MoeGemmParams& /*p*/, const CUtensorMap* map,
+                                       uint8_t* smem_b, uint64_t* full, int kb) const {
+    using namespace prime_kernels;
+    const uint32_t dst = smem_addr(smem_b);
+#pragma unroll
+    for (int c = 0; c < Tile::kBlockN / 64; ++c)
+      tma_load_2d(dst + c * SmemMNMajor::kChunkBytes, map, smem_addr(full), n0 + 64 * c,
+                  k_row + kb * Tile::kBlockK);
   }
 };
 
@@ -41,6 +103,7 @@ struct TmaWeightTiles {
 // pair -> row for the combine (pair_to_row, when the split path builds it).
 template <class Tile>
 struct GatherTokenRows {
+  using Layout = prime_kernels::SmemKMajor;
   static constexpr int kThreads = 128;
   static constexpr uint32_t kFullArrivals = kThreads;  // one cp.async arrival per thread
   static constexpr uint32_t kTmaBytes = 0;
@@ -60,17 +123,17 @@ struct GatherTokenRows {
         pass_row(tid >> 3),
         thread_offset(pass_row * 128 + ((chunk ^ (pass_row & 7)) << 4)) {}
 
-  __device__ __forceinline__ void start_block(const MoeGemmParams& p, int npp, int block,
-                                              int n_tile) {
+  __device__ __forceinline__ void start_tile(const MoeGemmParams& p, int npp,
+                                             const MoeWorkTile& w) {
     valid_mask = 0;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int row = block * Tile::kBlockM + pass_row + 16 * i;
+      const int row = w.row0 + pass_row + 16 * i;
       const int pair = routed_pair(p, npp, row);
       const uint32_t token = pair >= 0 ? uint32_t(pair / p.top_k) : 0u;
-      src_chunk[i] = token * uint32_t(p.k_dim / 8) + chunk;
+      src_chunk[i] = token * uint32_t(p.ld_x / 8) + chunk;
       valid_mask |= uint32_t(pair >= 0) << i;
-      if (p.pair_to_row != nullptr && n_tile == 0 && chunk == 0 && pair >= 0)
+      if (p.pair_to_row != nullptr && w.n0 == 0 && chunk == 0 && pair >= 0)
         p.pair_to_row[pair] = row;
     }
   }
@@ -87,28 +150,123 @@ struct GatherTokenRows {
   }
 };
 
-// The block's rows of a dense (max_padded, K) workspace by TMA, issued by the one thread
-// that also loads the weights.
+// The block's rows of a dense (max_padded, K) workspace by TMA, K-major.
 template <class Tile>
-struct TmaRows {
-  static constexpr int kThreads = 1;
-  static constexpr uint32_t kFullArrivals = 0;  // completes as TMA bytes
+struct TmaRows : TmaLoader {
+  using Layout = prime_kernels::SmemKMajor;
   static constexpr uint32_t kTmaBytes = Tile::kABytes;
-  static constexpr bool kGenericProxyWrites = false;
 
-  int block = 0;
+  int row0 = 0;
 
-  __device__ __forceinline__ explicit TmaRows(int /*tid*/) {}
+  using TmaLoader::TmaLoader;
 
-  __device__ __forceinline__ void start_block(const MoeGemmParams& /*p*/, int /*npp*/, int block_,
-                                              int /*n_tile*/) {
-    block = block_;
+  __device__ __forceinline__ void start_tile(const MoeGemmParams& /*p*/, int /*npp*/,
+                                             const MoeWorkTile& w) {
+    row0 = w.row0;
   }
 
   __device__ __forceinline__ void load(const MoeGemmParams& /*p*/, const CUtensorMap* map,
                                        uint8_t* smem_a, uint64_t* full, int kb) const {
     using namespace prime_kernels;
-    tma_load_2d(smem_addr(smem_a), map, smem_addr(full), kb * Tile::kBlockK, block * Tile::kBlockM);
+    tma_load_2d(smem_addr(smem_a), map, smem_addr(full), kb * Tile::kBlockK, row0);
+  }
+};
+
+// Which side of a K-grouped GEMM a loader fills: its columns start at the tile's first
+// output row (A, the M side) or first output column (B, the N side).
+enum class Side { kA, kB };
+
+template <Side kSide>
+__device__ __forceinline__ int first_column(const MoeWorkTile& w) {
+  return kSide == Side::kA ? w.row0 : w.n0;
+}
+// Columns a K-grouped loader fills: the tile's M (A) or N (B) extent.
+template <class Tile, Side kSide>
+inline constexpr int kSideColumns = kSide == Side::kA ? Tile::kBlockM : Tile::kBlockN;
+
+// 64 consecutive padded rows of the expert's segment per stage, each the token row of x (or
+// dO) its pair names, columns [c0, c0 + kCols), into the MN-major layout: column c of the
+// tile is in chunk c / 64, row r at r * 128 bytes, its 16-byte piece j = (c % 64) / 8 at
+// j ^ (r % 8). Padding rows and columns past the source's width (ld_x) are zero-filled; a
+// zero row adds nothing to the reduction as long as the other operand's row is finite,
+// which is why the backward writes zeros into its workspaces' padding rows.
+template <class Tile, Side kSide>
+struct GatherRowsAlongK {
+  static constexpr int kCols = kSideColumns<Tile, kSide>;
+  using Layout = prime_kernels::SmemMNMajor;
+  static constexpr int kThreads = 128;
+  static constexpr uint32_t kFullArrivals = kThreads;
+  static constexpr uint32_t kTmaBytes = 0;
+  static constexpr bool kGenericProxyWrites = true;
+  static constexpr int kPiecesPerRow = kCols / 8;
+  static constexpr int kRowsPerPass = kThreads / kPiecesPerRow;
+  static constexpr int kPasses = Tile::kBlockK / kRowsPerPass;
+  static_assert(kCols % 64 == 0 && kThreads % kPiecesPerRow == 0 && kPasses >= 1,
+                "a pass covers whole rows of whole 64-column chunks");
+
+  const int piece, pass_row;  // piece: 16-byte column piece of the row, 0 .. kCols/8 - 1
+  int k_row0 = 0, npp = 0;
+  bool column_valid = false;
+  uint32_t column_chunk = 0;  // 16-byte-chunk offset of the piece inside a token row
+
+  __device__ __forceinline__ explicit GatherRowsAlongK(int tid)
+      : piece(tid % kPiecesPerRow), pass_row(tid / kPiecesPerRow) {}
+
+  __device__ __forceinline__ void start_tile(const MoeGemmParams& p, int npp_,
+                                             const MoeWorkTile& w) {
+    k_row0 = w.k_row0;
+    npp = npp_;
+    const int column = first_column<kSide>(w) + 8 * piece;
+    column_valid = column < p.ld_x;
+    column_chunk = uint32_t(column / 8);
+  }
+
+  __device__ __forceinline__ void load(const MoeGemmParams& p, const CUtensorMap* /*map*/,
+                                       uint8_t* smem, uint64_t* full, int kb) const {
+    using namespace prime_kernels;
+    const uint32_t base = smem_addr(smem) + (piece / 8) * SmemMNMajor::kChunkBytes;
+    const uint4* src = reinterpret_cast<const uint4*>(p.x);
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = pass_row + kRowsPerPass * i;
+      const int pair = routed_pair(p, npp, k_row0 + kb * Tile::kBlockK + r);
+      const bool valid = column_valid && pair >= 0;
+      const uint32_t token = valid ? uint32_t(pair / p.top_k) : 0u;
+      const uint32_t dst = base + r * 128 + (((piece % 8) ^ (r % 8)) << 4);
+      cp_async_16_zfill(dst, src + token * uint32_t(p.ld_x / 8) + column_chunk, valid);
+    }
+    cp_async_mbarrier_arrive_noinc(full);
+  }
+};
+
+// 64 consecutive padded rows of the expert's segment per stage from a dense (max_padded,
+// width) workspace (y1s, dz), columns [c0, c0 + kCols), by TMA: kCols / 64 boxes of 64
+// columns x 64 rows, MN-major. Columns past the width are zero-filled by TMA.
+template <class Tile, Side kSide>
+struct TmaRowsAlongK : TmaLoader {
+  static constexpr int kCols = kSideColumns<Tile, kSide>;
+  using Layout = prime_kernels::SmemMNMajor;
+  static constexpr uint32_t kTmaBytes = kCols * Tile::kBlockK * 2;
+  static_assert(kCols % 64 == 0, "whole 64-column boxes");
+
+  int k_row0 = 0, c0 = 0;
+
+  using TmaLoader::TmaLoader;
+
+  __device__ __forceinline__ void start_tile(const MoeGemmParams& /*p*/, int /*npp*/,
+                                             const MoeWorkTile& w) {
+    k_row0 = w.k_row0;
+    c0 = first_column<kSide>(w);
+  }
+
+  __device__ __forceinline__ void load(const MoeGemmParams& /*p*/, const CUtensorMap* map,
+                                       uint8_t* smem, uint64_t* full, int kb) const {
+    using namespace prime_kernels;
+    const uint32_t dst = smem_addr(smem);
+#pragma unroll
+    for (int c = 0; c < kCols / 64; ++c)
+      tma_load_2d(dst + c * SmemMNMajor::kChunkBytes, map, smem_addr(full), c0 + 64 * c,
+                  k_row0 + kb * Tile::kBlockK);
   }
 };
 

@@ -1,7 +1,9 @@
 // The consumer's K loop over the stage ring for one tile: per K slice, wgmma from shared
 // memory into fp32 registers, keeping one slice's wgmmas in flight and handing the stage
 // before it back to the producer. The MMA atom is a parameter (Consumers::Mma, bf16 wgmma
-// k16 today), so an fp8 atom or a dequantizing step slots in without another loop.
+// k16 today), so an fp8 atom or a dequantizing step slots in without another loop; so are
+// the operand layouts (ALayout, BLayout: K-major or MN-major tiles, wgmma.cuh), which give
+// the descriptors and their K step.
 #pragma once
 
 #include <cstdint>
@@ -12,7 +14,8 @@
 
 namespace prime_moe {
 
-template <class Tile, class Consumers, bool kFenceGenericWrites>
+template <class Tile, class Consumers, bool kFenceGenericWrites,
+          class ALayout = prime_kernels::SmemKMajor, class BLayout = prime_kernels::SmemKMajor>
 struct WarpgroupMainloop {
   using Mma = typename Consumers::Mma;
   using Accumulators = float[Consumers::kNumMma][Mma::kAccRegs];
@@ -41,17 +44,19 @@ struct WarpgroupMainloop {
       // cp.async wrote the A tile through the generic proxy; wgmma reads through the
       // async proxy.
       if constexpr (kFenceGenericWrites) fence_proxy_async_shared();
+      // Row m (n) of a tile starts m * 128 bytes in, in either layout (wgmma.cuh).
       const uint64_t desc_a =
-          make_smem_desc_sw128(smem_a + size_t(rs.stage) * Tile::kABytes + m_offset * 128);
+          ALayout::desc(smem_a + size_t(rs.stage) * Tile::kABytes + m_offset * 128);
       const uint64_t desc_b =
-          make_smem_desc_sw128(smem_b + size_t(rs.stage) * Tile::kBBytes + n_offset * 128);
+          BLayout::desc(smem_b + size_t(rs.stage) * Tile::kBBytes + n_offset * 128);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Tile::kBlockK / Mma::kK; ++kk) {
 #pragma unroll
         for (int b = 0; b < Consumers::kNumMma; ++b)
-          Mma::mma(acc[b], desc_a + Mma::kDescK * kk,
-                   desc_b + (b * Tile::kBlockN * 128 >> 4) + Mma::kDescK * kk, (kb | kk) != 0);
+          Mma::mma(acc[b], desc_a + ALayout::kDescPerK16 * kk,
+                   desc_b + (b * Tile::kBlockN * 128 >> 4) + BLayout::kDescPerK16 * kk,
+                   (kb | kk) != 0);
       }
       wgmma_commit();
       // Keep this K slice's wgmmas in flight; the previous slice's are done, so its stage

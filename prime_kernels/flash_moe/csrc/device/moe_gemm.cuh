@@ -1,11 +1,14 @@
 // The fused MoE's grouped GEMM on sm_90a: persistent, warp-specialized, one CTA per SM,
-// composed of this folder's parts. Kernel = Tile x A loader x epilogue (the weight loader,
-// the consumer schedule, the MMA mainloop and the tile scheduler follow from the tile):
-//   warpgroup 0      producer: the weight tiles by TMA (TmaWeightTiles) and the A rows by
-//                    the A loader (GatherTokenRows or TmaRows) into the stage ring;
+// composed of this folder's parts. Kernel = Tile x A loader x epilogue x B loader x
+// scheduler (the consumer schedule and the MMA mainloop follow from the tile and the
+// loaders' layouts):
+//   warpgroup 0      producer: the A and B tiles of each K step into the stage ring, by TMA
+//                    (thread 0) or cp.async gathers (the loaders, loaders.cuh);
 //   warpgroups 1, 2  consumers (CooperativeConsumers): the MMA mainloop over the ring into
 //                    fp32 registers, then the epilogue from registers to global memory.
-// Tiles come from MoeTileScheduler, M-grouped over moe_align's expert blocks.
+// Tiles come from the scheduler: M-grouped over moe_align's expert blocks (the forward, and
+// the backward's activation gradients) or K-grouped over each expert's padded rows (the
+// weight gradients).
 #pragma once
 
 #include <cuda.h>
@@ -24,26 +27,35 @@
 
 namespace prime_moe {
 
-template <class Tile_, class ALoad_, class Epilogue_>
+template <class Tile_, class ALoad_, class Epilogue_, class BLoad_ = TmaWeightTiles<Tile_>,
+          class Scheduler_ = MoeTileScheduler>
 struct MoeGemm {
   using Tile = Tile_;
   using ALoad = ALoad_;
+  using BLoad = BLoad_;
   using Epilogue = Epilogue_;
-  using WeightLoad = TmaWeightTiles<Tile>;
-  using Consumers = CooperativeConsumers<Tile>;
-  using Mainloop = WarpgroupMainloop<Tile, Consumers, ALoad::kGenericProxyWrites>;
-  using Scheduler = MoeTileScheduler;
+  using Scheduler = Scheduler_;
+  using Consumers = CooperativeConsumers<Tile, typename ALoad::Layout, typename BLoad::Layout>;
+  using Mainloop =
+      WarpgroupMainloop<Tile, Consumers, ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites,
+                        typename ALoad::Layout, typename BLoad::Layout>;
 
   static constexpr int kThreads = 128 * (1 + Consumers::kWarpgroups);
-  // A stage is full after the weight thread's expect_tx arrival, the A loader's arrivals
-  // and every TMA byte; it is empty again once every consumer thread released it.
-  static constexpr uint32_t kFullArrivals = 1 + ALoad::kFullArrivals;
-  static constexpr uint32_t kStageTmaBytes = WeightLoad::kTmaBytes + ALoad::kTmaBytes;
+  static constexpr int kProducerThreads =
+      ALoad::kThreads > BLoad::kThreads ? ALoad::kThreads : BLoad::kThreads;
+  // A stage is full after thread 0's expect_tx arrival, the loaders' arrivals and every TMA
+  // byte; it is empty again once every consumer thread released it.
+  static constexpr uint32_t kFullArrivals = 1 + ALoad::kFullArrivals + BLoad::kFullArrivals;
+  static constexpr uint32_t kStageTmaBytes = ALoad::kTmaBytes + BLoad::kTmaBytes;
   static constexpr uint32_t kEmptyArrivals = 128 * Consumers::kWarpgroups;
 
   static_assert(Epilogue::kNumB == Tile::kNumB, "the epilogue reads the stage's weight tiles");
-  static_assert(ALoad::kThreads >= 1 && ALoad::kThreads <= 128,
-                "the A loader runs in the producer warpgroup, thread 0 included");
+  static_assert(kProducerThreads >= 1 && kProducerThreads <= 128,
+                "the loaders run in the producer warpgroup, thread 0 included");
+  static_assert(ALoad::kTmaBytes <= Tile::kABytes && BLoad::kTmaBytes <= Tile::kBBytes,
+                "a loader fills at most its tile's stage buffer");
+  static_assert(!Epilogue::kWritesPaddingRows || Scheduler::kMGrouped,
+                "padding rows are rows of M-grouped tiles");
 
   static constexpr size_t smem_bytes(int stages) { return Tile::smem_bytes(stages); }
 };
@@ -56,6 +68,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   using Tile = typename Kernel::Tile;
   using Consumers = typename Kernel::Consumers;
   using Mainloop = typename Kernel::Mainloop;
+  using Scheduler = typename Kernel::Scheduler;
+  using ALoad = typename Kernel::ALoad;
+  using BLoad = typename Kernel::BLoad;
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -69,37 +84,33 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   const int tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     ring.init(Kernel::kFullArrivals, Kernel::kEmptyArrivals);
-    tma_prefetch_descriptor(&tmap_b);
-    if constexpr (Kernel::ALoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_a);
+    if constexpr (ALoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_a);
+    if constexpr (BLoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_b);
   }
   __syncthreads();
 
-  const typename Kernel::Scheduler sched(p.num_tokens_post_padded, p.max_padded, Tile::kBlockM,
-                                         p.n_dim, Tile::kBlockN);
+  const Scheduler sched(p, Tile::kBlockM, Tile::kBlockN);
   const int num_tiles = sched.num_tiles();
-  const int num_k_blocks = p.k_dim / Tile::kBlockK;
   RingState rs;
+  MoeWorkTile w;
 
   if (warpgroup == 0) {
     setmaxnreg_dec<Consumers::kProducerRegs>();
-    if (tid >= Kernel::ALoad::kThreads) return;
-    typename Kernel::ALoad a_load(tid);
+    if (tid >= Kernel::kProducerThreads) return;
+    ALoad a_load(tid);
+    BLoad b_load(tid);
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      int block, n_tile;
-      sched.tile(t, block, n_tile);
-      const int expert = block_expert(p, block);
-      if (expert < 0) continue;
-      const int b_row = expert * p.b_rows_per_expert + n_tile * Tile::kBlockN;
-      a_load.start_block(p, sched.npp, block, n_tile);
-      for (int kb = 0; kb < num_k_blocks; ++kb) {
+      if (!sched.work(t, p, w)) continue;
+      if (tid < ALoad::kThreads) a_load.start_tile(p, sched.npp, w);
+      if (tid < BLoad::kThreads) b_load.start_tile(p, sched.npp, w);
+      for (int kb = 0; kb < w.num_k_blocks; ++kb) {
         ring.producer_acquire(rs);
         uint64_t* full = ring.full_barrier(rs);
-        if (tid == 0) {
-          mbarrier_arrive_expect_tx(full, Kernel::kStageTmaBytes);
-          Kernel::WeightLoad::load(&tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb,
-                                   b_row, p.b_second_offset);
-        }
-        a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
+        if (tid == 0) mbarrier_arrive_expect_tx(full, Kernel::kStageTmaBytes);
+        if (tid < ALoad::kThreads)
+          a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
+        if (tid < BLoad::kThreads)
+          b_load.load(p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb);
         rs.advance(stages);
       }
     }
@@ -110,19 +121,27 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     const int n_offset = Consumers::n_offset(consumer);
     typename Mainloop::Accumulators acc;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      int block, n_tile;
-      sched.tile(t, block, n_tile);
-      if (block_expert(p, block) < 0) continue;
-      // A 64-row half with no routed row (the padded tail of an expert's segment: most
-      // rows at decode sizes) only passes its stages through: no wgmma, no stores. Its
-      // output rows are then left unwritten, which is fine: nothing reads padding results.
-      const int first_row = block * Tile::kBlockM + m_offset;
-      if (!warpgroup_any(routed_pair(p, sched.npp, first_row + tid % 64) >= 0, 1 + consumer)) {
-        Mainloop::skip(ring, rs, num_k_blocks);
-        continue;
+      if (!sched.work(t, p, w)) continue;
+      const int row0 = w.row0 + m_offset;
+      const int col0 = w.n0 + n_offset;
+      bool has_work = w.num_k_blocks > 0;
+      if constexpr (Scheduler::kMGrouped) {
+        // A 64-row half with no routed row (the padded tail of an expert's segment: most
+        // rows at decode sizes) only passes its stages through: no wgmma. Its output rows
+        // are left unwritten unless the epilogue's zeros are read later.
+        if (!warpgroup_any(routed_pair(p, sched.npp, row0 + tid % 64) >= 0, 1 + consumer)) {
+          Mainloop::skip(ring, rs, w.num_k_blocks);
+          if constexpr (!Kernel::Epilogue::kWritesPaddingRows) continue;
+          has_work = false;
+        }
       }
-      Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, num_k_blocks);
-      Kernel::Epilogue::store(p, sched.npp, acc, first_row, n_tile * Tile::kBlockN + n_offset);
+      // An expert with no rows gets a zero weight gradient; a skipped half's padding rows
+      // are written as zeros. The accumulators are not zeroed for that: a non-wgmma write
+      // to them anywhere in the kernel makes ptxas serialize every wgmma (C7515), so the
+      // epilogue is told instead.
+      if (has_work)
+        Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.num_k_blocks);
+      Kernel::Epilogue::store(p, sched.npp, acc, has_work, w, row0, col0);
     }
   }
 }

@@ -14,17 +14,31 @@ struct MoeGemmParams {
   const int32_t* sorted_token_ids;        // (max_padded,) pair index or -1
   const int32_t* expert_ids;              // (max_padded / block_m,)
   const int32_t* num_tokens_post_padded;  // (1,) device
-  const __nv_bfloat16* x;                 // gather source (gate/up): (T, k_dim)
+  const __nv_bfloat16* x;                 // gather source: x (gate/up, dW1) or dO (dh, dW2)
+  int ld_x;                               // elements between its token rows (D)
   const float* topk_weights;              // (T * k,) weighted epilogues
   int32_t* pair_to_row;  // gate/up: pair -> row, scattered on n tile 0 (null: not built)
-  __nv_bfloat16* out;    // h (gate/up), y (down, split) or out (down, atomic)
+  __nv_bfloat16* out;    // h (gate/up), y (down, split), out (down, atomic), dh's dz,
+                         // dxe, or a weight gradient (E, m_dim, n_dim)
   int ld_out;            // elements between rows of out
   int max_padded, num_pairs, top_k, num_experts;
-  int k_dim;              // reduction dim: D for gate/up, H for down
-  int n_dim;              // output columns per expert: H for gate/up, D for down
+  int k_dim;              // M-grouped reduction dim: D for gate/up and dh, H for down, 2H for dx
+  int n_dim;              // output columns: per expert (M-grouped), or of a weight gradient
+  int m_dim;              // K-grouped: output rows of a weight gradient (D or 2H)
   int b_rows_per_expert;  // rows of one expert in the 2D weight view: 2H or D
   int b_second_offset;    // row offset of the second weight tile (the up rows: H)
   int stages;             // ring depth, sized by the launcher to the shared memory
+
+  // Training. z: the gate/up pre-activations [g | u] per padded row (max_padded, 2H),
+  // written by the training forward and read by dh's epilogue, which also writes
+  // y1s = bf16(s h) (max_padded, H) and partial sums of <dh', h> per pair into ds_part
+  // (T * k, ld_ds) fp32, one column per consumer's column slice of H.
+  __nv_bfloat16* z;
+  __nv_bfloat16* y1s;
+  float* ds_part;
+  int ld_ds;
+  // K-grouped: expert e's padded rows are [segments[2e], segments[2e + 1]) (empty: 0, 0).
+  const int32_t* segments;
 };
 
 // Rows routed to a pair: row < npp and 0 <= id < T*k; anything else (padding, garbage)

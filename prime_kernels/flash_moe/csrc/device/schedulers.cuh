@@ -1,15 +1,35 @@
-// Tile schedulers of the fused MoE GEMMs. MoeTileScheduler, M-grouped: a static
-// round-robin over (expert block, n tile) tiles whose count is only known on the device (it
-// depends on num_tokens_post_padded), so CUDA graphs can capture the launch. (A K-grouped
-// scheduler, one weight-gradient tile per (expert, m, n) reducing over the expert's rows,
-// is the other kind that belongs here.)
+// Tile schedulers of the fused MoE GEMMs. Both are static round-robins over a tile count
+// known only on the device (it depends on num_tokens_post_padded or the routing), so CUDA
+// graphs can capture the launch, and both hand the kernel a MoeWorkTile:
+//   MoeTileScheduler     M-grouped: (expert block, n tile); K is the GEMM's fixed k_dim.
+//                        The forward's GEMMs and the backward's activation gradients.
+//   ExpertKScheduler     K-grouped: (expert, m tile, n tile) of a weight gradient, K the
+//                        expert's padded rows. One CTA owns an output tile for the whole
+//                        reduction: no split, no atomics, so the sum's order is fixed.
 #pragma once
 
 #include <cstdint>
 
+#include "moe_gemm_params.cuh"
+
 namespace prime_moe {
 
+struct MoeWorkTile {
+  int expert;
+  int row0;          // M-grouped: the block's first padded row; K-grouped: first output row
+  int n0;            // first output column
+  int k_row0;        // K-grouped: the expert's first padded row (K runs along rows)
+  int num_k_blocks;  // 64-wide K steps
+};
+
+__device__ __forceinline__ int clamp_npp(const MoeGemmParams& p) {
+  const int raw = *p.num_tokens_post_padded;
+  return raw < 0 ? 0 : (raw > p.max_padded ? p.max_padded : raw);
+}
+
 struct MoeTileScheduler {
+  // A 64-row half of a block with no routed row is passed over by its consumer.
+  static constexpr bool kMGrouped = true;
   // n tiles per raster group. Tiles are ordered group-major, then block, then n within the
   // group, so the ~132 tiles in flight at once cover about 132 / kGroup consecutive
   // blocks (mostly one expert) times kGroup n tiles: each weight tile is shared by those
@@ -21,26 +41,95 @@ struct MoeTileScheduler {
   int npp;          // num_tokens_post_padded clamped to [0, max_padded]
   int num_blocks;   // blocks of block_m rows holding rows below npp
   int num_n_tiles;  // ceil(n_dim / block_n)
+  int block_m, block_n;
 
-  __device__ MoeTileScheduler(const int32_t* num_tokens_post_padded, int max_padded, int block_m,
-                              int n_dim, int block_n) {
-    const int raw = *num_tokens_post_padded;
-    npp = raw < 0 ? 0 : (raw > max_padded ? max_padded : raw);
+  // The most tiles any routing can give (sizes the persistent grid on the host).
+  static int64_t max_tiles(const MoeGemmParams& p, int block_m, int block_n) {
+    return int64_t(p.max_padded / block_m) * ((p.n_dim + block_n - 1) / block_n);
+  }
+
+  __device__ MoeTileScheduler(const MoeGemmParams& p, int block_m_, int block_n_)
+      : npp(clamp_npp(p)), block_m(block_m_), block_n(block_n_) {
     num_blocks = (npp + block_m - 1) / block_m;
-    num_n_tiles = (n_dim + block_n - 1) / block_n;
+    num_n_tiles = (p.n_dim + block_n - 1) / block_n;
   }
 
   __device__ int num_tiles() const { return num_blocks * num_n_tiles; }
 
-  __device__ void tile(int t, int& block, int& n_tile) const {
+  // False for a block whose expert id is outside [0, E) (skipped by producer and
+  // consumers alike).
+  __device__ bool work(int t, const MoeGemmParams& p, MoeWorkTile& w) const {
     const int group_tiles = num_blocks * kGroup;
     const int group = t / group_tiles;
     const int first_n = group * kGroup;
     const int width = min(kGroup, num_n_tiles - first_n);  // the last group may be narrower
     const int within = t - group * group_tiles;
-    block = within / width;
-    n_tile = first_n + within % width;
+    const int block = within / width;
+    w.expert = block_expert(p, block);
+    w.row0 = block * block_m;
+    w.n0 = (first_n + within % width) * block_n;
+    w.k_row0 = 0;
+    w.num_k_blocks = p.k_dim / 64;
+    return w.expert >= 0;
   }
 };
+
+struct ExpertKScheduler {
+  static constexpr bool kMGrouped = false;
+
+  int npp;
+  int num_m_tiles, num_n_tiles, num_experts;
+  int block_m, block_n;
+
+  static int64_t max_tiles(const MoeGemmParams& p, int block_m, int block_n) {
+    return int64_t(p.num_experts) * ((p.m_dim + block_m - 1) / block_m) *
+           ((p.n_dim + block_n - 1) / block_n);
+  }
+
+  __device__ ExpertKScheduler(const MoeGemmParams& p, int block_m_, int block_n_)
+      : npp(clamp_npp(p)), num_experts(p.num_experts), block_m(block_m_), block_n(block_n_) {
+    num_m_tiles = (p.m_dim + block_m - 1) / block_m;
+    num_n_tiles = (p.n_dim + block_n - 1) / block_n;
+  }
+
+  __device__ int num_tiles() const { return num_experts * num_m_tiles * num_n_tiles; }
+
+  // Expert-major, then m, then n: the CTAs working at once share an expert, so its gathered
+  // token rows and its workspace rows are read from L2 by every tile that needs them. An
+  // expert with no rows still owns its tiles: they store zeros.
+  __device__ bool work(int t, const MoeGemmParams& p, MoeWorkTile& w) const {
+    const int per_expert = num_m_tiles * num_n_tiles;
+    w.expert = t / per_expert;
+    const int within = t - w.expert * per_expert;
+    w.row0 = (within / num_n_tiles) * block_m;
+    w.n0 = (within % num_n_tiles) * block_n;
+    const int begin = p.segments[2 * w.expert];
+    const int end = min(p.segments[2 * w.expert + 1], npp);
+    w.k_row0 = begin;
+    w.num_k_blocks = end > begin ? (end - begin) / 64 : 0;
+    return true;
+  }
+};
+
+// ExpertKScheduler's input from moe_align's layout: expert e's padded rows [start, end) as
+// segments[2e], segments[2e + 1], from the first and last block below the padded total
+// whose expert_ids entry is e (each expert's blocks are consecutive). segments starts
+// zeroed: an expert with no block keeps [0, 0). One thread per block.
+constexpr int kSegmentThreads = 256;
+
+static __global__ void __launch_bounds__(kSegmentThreads)
+    moe_expert_segments_kernel(const int32_t* expert_ids, const int32_t* num_tokens_post_padded,
+                               int max_padded, int block_m, int num_experts, int32_t* segments) {
+  const int block = blockIdx.x * kSegmentThreads + threadIdx.x;
+  const int raw = *num_tokens_post_padded;
+  const int npp = raw < 0 ? 0 : (raw > max_padded ? max_padded : raw);
+  const int num_blocks = (npp + block_m - 1) / block_m;
+  if (block >= num_blocks) return;
+  const int e = expert_ids[block];
+  if (e < 0 || e >= num_experts) return;
+  if (block == 0 || expert_ids[block - 1] != e) segments[2 * e] = block * block_m;
+  if (block == num_blocks - 1 || expert_ids[block + 1] != e)
+    segments[2 * e + 1] = min((block + 1) * block_m, npp);
+}
 
 }  // namespace prime_moe

@@ -39,7 +39,8 @@ struct MoeGemmTile {
 // rows and all columns; with block_m = 64 both take the 64 rows and half the columns each.
 // (A ping-pong schedule, each warpgroup on its own tile so one's epilogue runs under the
 // other's mainloop, is the other part that fits here.)
-template <class Tile>
+template <class Tile, class ALayout = prime_kernels::SmemKMajor,
+          class BLayout = prime_kernels::SmemKMajor>
 struct CooperativeConsumers {
   static constexpr int kWarpgroups = 2;
   static constexpr int kWgM = Tile::kBlockM / 64;
@@ -51,7 +52,7 @@ struct CooperativeConsumers {
   static constexpr bool kFuseB = kWgN == 1;
   static constexpr int kNumMma = kFuseB ? 1 : Tile::kNumB;
   static constexpr int kMmaN = kFuseB ? Tile::kNumB * Tile::kBlockN : kWgCols;
-  using Mma = prime_kernels::WgmmaBf16<kMmaN>;
+  using Mma = prime_kernels::WgmmaBf16<kMmaN, ALayout::kTrans, BLayout::kTrans>;
   // Register split (sm_90a setmaxnreg): 128 * (40 + 2 * 232) = 64512 <= 65536. Each
   // consumer holds up to 128 fp32 accumulators (two 64x128 or one 64x256 tile).
   static constexpr int kProducerRegs = 40;
@@ -62,6 +63,9 @@ struct CooperativeConsumers {
                 "wgmma N must be one of the instantiated shapes");
   static_assert(kNumMma * Mma::kAccRegs <= 128,
                 "accumulators must fit the consumer register budget");
+  // An MN-major operand is read in 64-wide chunks: a consumer's share must start on one.
+  static_assert(!BLayout::kTrans || (kWgCols % 64 == 0 && Tile::kNumB == 1),
+                "an MN-major weight operand takes whole 64-column chunks, one weight tile");
 
   __device__ __forceinline__ static int m_offset(int consumer) { return (consumer % kWgM) * 64; }
   __device__ __forceinline__ static int n_offset(int consumer) {

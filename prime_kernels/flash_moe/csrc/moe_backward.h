@@ -1,0 +1,50 @@
+// Host interface of the flash_moe backward on sm_90a: the gradients of the training forward
+// (fused_moe_bf16 with keep_z) for x, w, w2 and the routing weights. Torch-free: the binding
+// (binding.cpp) checks tensors and calls these; moe_backward.cu composes the device layer's
+// parts into its kernels and launches them.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace prime_moe {
+
+// Names as in fused_moe_bf16.h. The routing (sorted_token_ids, expert_ids,
+// num_tokens_post_padded) is moe_align's for block_m = kBlockM, and z / pair_to_row are what
+// the training forward kept for it. A null gradient pointer is a gradient not asked for:
+// none of its kernels run.
+struct MoeBackwardProblem {
+  const __nv_bfloat16* grad_out;          // (T, D): dO
+  const __nv_bfloat16* x;                 // (T, D)
+  const __nv_bfloat16* w;                 // (E, 2H, D)
+  const __nv_bfloat16* w2;                // (E, D, H)
+  const int32_t* sorted_token_ids;        // (max_padded,)
+  const int32_t* expert_ids;              // (max_padded / block_m,)
+  const int32_t* num_tokens_post_padded;  // (1,) device
+  const float* topk_weights;              // (T * k,)
+  const __nv_bfloat16* z;                 // (max_padded, 2H): [g | u] per padded row
+  const int32_t* pair_to_row;             // (T * k,): padded row, -1 for a dropped pair
+  __nv_bfloat16* dx;                      // (T, D) or null
+  __nv_bfloat16* dw;                      // (E, 2H, D) or null
+  __nv_bfloat16* dw2;                     // (E, D, H) or null
+  float* dtopk_weights;                   // (T * k,) or null
+  int64_t num_tokens, dim, hidden_dim, num_experts, top_k, max_padded, block_m;
+  int device;
+};
+
+// Empty when the backward runs this problem; otherwise one sentence naming what is wrong.
+std::string check_moe_backward(const MoeBackwardProblem& problem);
+
+// Scratch device memory the launch needs (256-byte aligned), for the gradients asked for.
+size_t moe_backward_workspace_bytes(const MoeBackwardProblem& problem);
+
+// Enqueues the backward on `stream`; no host synchronization. Every element of each gradient
+// asked for is written. Bitwise repeatable: no atomics, every sum in a fixed order.
+cudaError_t launch_moe_backward(const MoeBackwardProblem& problem, void* workspace,
+                                cudaStream_t stream);
+
+}  // namespace prime_moe

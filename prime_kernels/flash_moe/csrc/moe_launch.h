@@ -1,0 +1,62 @@
+// Host side shared by the flash_moe launchers (fused_moe_bf16.cu, moe_backward.cu): device
+// attributes, the persistent grid, and the launch of one composed GEMM kernel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "device/moe_gemm.cuh"
+#include "fused_moe_bf16.h"
+
+namespace prime_moe {
+
+inline size_t align256(size_t bytes) {
+  return (bytes + 255) & ~size_t(255);
+}
+
+inline int device_attribute(cudaDeviceAttr attr, int device) {
+  int value = 0;
+  if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) return 0;
+  return value;
+}
+
+// SMs the persistent kernels may use on this device (set_num_sms caps it).
+inline int usable_sms(int device) {
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  const int cap = num_sms_setting();
+  return cap > 0 ? std::min(cap, sms) : sms;
+}
+
+// The deepest ring (at most max_stages) the device's shared memory holds for Kernel.
+template <class Kernel>
+int ring_stages(int device, int max_stages) {
+  const size_t limit = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  int stages = 0;
+  while (stages < max_stages && Kernel::smem_bytes(stages + 1) <= limit) ++stages;
+  return stages;
+}
+
+inline bool aligned16(const void* ptr) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
+}
+
+template <class Kernel>
+cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
+                        const MoeGemmParams& params, int num_sms, cudaStream_t stream) {
+  using Tile = typename Kernel::Tile;
+  auto* kernel = moe_gemm_kernel<Kernel>;
+  const size_t smem = Kernel::smem_bytes(params.stages);
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  // Persistent: one CTA per SM (or fewer when even the largest routing has fewer tiles).
+  const int64_t max_tiles = Kernel::Scheduler::max_tiles(params, Tile::kBlockM, Tile::kBlockN);
+  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tiles)));
+  kernel<<<grid, Kernel::kThreads, smem, stream>>>(tmap_a, tmap_b, params);
+  return cudaGetLastError();
+}
+
+}  // namespace prime_moe
