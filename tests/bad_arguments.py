@@ -65,6 +65,57 @@ def fused(**replace):
     return call
 
 
+MAX_PADDED = 640  # moe_align's length for T * K = 128 pairs, E = 4, block_m = 128
+
+
+def training_inputs(flash_moe, device: str) -> list:
+    """A valid moe_backward call's arguments: grad_out, x, w, w2, the alignment, weights, z,
+    pair_to_row, k and the four need flags (moe_forward's are x .. weights and k). z and
+    pair_to_row have the shapes moe_forward returns; their values are never read, since
+    every case fails its checks first."""
+    x, w, w2, sorted_ids, expert_ids, total, weights, _, k = base_inputs(flash_moe, device)
+    assert sorted_ids.shape == (MAX_PADDED,)
+    grad_out = torch.randn(T, D, device=device).bfloat16()
+    z = torch.zeros(MAX_PADDED, 2 * H, device=device).bfloat16()
+    pair_to_row = torch.full((T * K,), -1, dtype=torch.int32, device=device)
+    aligned = [sorted_ids, expert_ids, total]
+    return [grad_out, x, w, w2, *aligned, weights, z, pair_to_row, k, True, True, True, True]
+
+
+def training(op: str, **replace):
+    """A moe_forward or moe_backward call with some arguments replaced by name (values
+    computed from the valid inputs, as ``fused``'s: ``lambda a, d`` with ``a`` the argument
+    dict), through torch.ops.prime_moe (the binding's checks, not flash_moe.moe's)."""
+    names = [
+        "grad_out",
+        "x",
+        "w",
+        "w2",
+        "sorted_token_ids",
+        "expert_ids",
+        "num_tokens_post_padded",
+        "topk_weights",
+        "z",
+        "pair_to_row",
+        "top_k",
+        "need_dx",
+        "need_dw",
+        "need_dw2",
+        "need_dtopk_weights",
+    ]
+    forward_names = names[1:8] + ["top_k"]
+
+    def call(flash_moe, device):
+        args = dict(zip(names, training_inputs(flash_moe, device)))
+        for key, value in replace.items():
+            assert key in args, key
+            args[key] = value(args, device) if callable(value) else value
+        used = forward_names if op == "moe_forward" else names
+        getattr(torch.ops.prime_moe, op)(*(args[n] for n in used))
+
+    return call
+
+
 def bf16(*shape):
     return lambda args, device: torch.randn(*shape, device=device).bfloat16()
 
@@ -236,12 +287,97 @@ CASES: dict[str, Case] = {
         r"argument 'topk_ids' of shape \(\d+, 1\) with num_experts=4096 and block_m \* bpc = 65536 gives up to "
         r"2147483648 padded rows; at most 2\^31 - 1",
     ),
+    # moe_forward (the training forward: fused_moe_bf16's checks, no out)
+    "forward_x_dtype": Case(
+        training("moe_forward", x=lambda a, d: a["x"].float()),
+        r"moe_forward: argument 'x' must be a torch\.bfloat16 tensor, got torch\.float32",
+    ),
+    "forward_w_shape": Case(
+        training("moe_forward", w=bf16(E, 2 * H, 128)),
+        r"moe_forward: argument 'w' must have shape \(E, 2 \* hidden_dim, dim\) = \(E, 2H, 256\)",
+    ),
+    "forward_weights_shape": Case(
+        training("moe_forward", topk_weights=lambda a, d: a["topk_weights"].t().contiguous()),
+        r"moe_forward: argument 'topk_weights' must have shape \(64, 2\) \(T, top_k\).*got \(2, 64\)",
+    ),
+    "forward_top_k_mismatch": Case(
+        training("moe_forward", top_k=3),
+        r"moe_forward: argument 'topk_weights' must have shape \(64, 3\) \(T, top_k\).*got \(64, 2\)",
+    ),
+    "forward_hidden_multiple": Case(
+        training("moe_forward", w=bf16(E, 200, D), w2=bf16(E, D, 100)),
+        r"moe_forward: hidden_dim=100 \(w\.size\(1\) / 2\) must be a multiple of 64",
+    ),
+    "forward_x_on_cpu": Case(
+        training("moe_forward", x=lambda a, d: a["x"].cpu()),
+        r"moe_forward: argument 'x' must be on a CUDA device, got a CPU tensor",
+    ),
+    # moe_backward: the forward's checks with grad_out in out's place, then z and pair_to_row
+    "backward_x_dtype": Case(
+        training("moe_backward", x=lambda a, d: a["x"].float()),
+        r"moe_backward: argument 'x' must be a torch\.bfloat16 tensor, got torch\.float32",
+    ),
+    "backward_w_shape": Case(
+        training("moe_backward", w=bf16(E, 2 * H, 128)),
+        r"moe_backward: argument 'w' must have shape \(E, 2 \* hidden_dim, dim\) = \(E, 2H, 256\)",
+    ),
+    "backward_weights_shape": Case(
+        training("moe_backward", topk_weights=lambda a, d: a["topk_weights"].t().contiguous()),
+        r"moe_backward: argument 'topk_weights' must have shape \(64, 2\) \(T, top_k\).*got \(2, 64\)",
+    ),
+    "backward_grad_out_dtype": Case(
+        training("moe_backward", grad_out=lambda a, d: a["grad_out"].float()),
+        r"moe_backward: argument 'grad_out' must be a torch\.bfloat16 tensor, got torch\.float32",
+    ),
+    "backward_grad_out_shape": Case(
+        training("moe_backward", grad_out=lambda a, d: a["grad_out"][:10]),
+        r"moe_backward: argument 'grad_out' must have shape \(64, 256\) \(T, dim\), like x, "
+        r"got \(10, 256\)",
+    ),
+    "backward_z_dtype": Case(
+        training("moe_backward", z=lambda a, d: a["z"].float()),
+        r"moe_backward: argument 'z' must be a torch\.bfloat16 tensor, got torch\.float32",
+    ),
+    "backward_z_shape": Case(
+        training("moe_backward", z=lambda a, d: a["z"][:-128]),
+        r"moe_backward: argument 'z' must have shape \(640, 256\) "
+        r"\(len\(sorted_token_ids\), 2 \* hidden_dim\).*got \(512, 256\)",
+    ),
+    "backward_z_hidden": Case(
+        training("moe_backward", z=lambda a, d: a["z"][:, :128].contiguous()),
+        r"moe_backward: argument 'z' must have shape \(640, 256\).*got \(640, 128\)",
+    ),
+    "backward_pair_to_row_dtype": Case(
+        training("moe_backward", pair_to_row=lambda a, d: a["pair_to_row"].long()),
+        r"moe_backward: argument 'pair_to_row' must be a torch\.int32 tensor, got torch\.int64",
+    ),
+    "backward_pair_to_row_length": Case(
+        training("moe_backward", pair_to_row=lambda a, d: a["pair_to_row"][:-1]),
+        r"moe_backward: argument 'pair_to_row' must have shape \(128,\) \(T \* top_k,\).*"
+        r"got \(127,\)",
+    ),
+    "backward_top_k_zero": Case(
+        training("moe_backward", top_k=0), r"moe_backward: top_k=0 must be at least 1"
+    ),
+    "backward_z_on_cpu": Case(
+        training("moe_backward", z=lambda a, d: a["z"].cpu()),
+        r"moe_backward: argument 'z' must be on a CUDA device, got a CPU tensor",
+        cuda_only=True,
+    ),
 }
 
 # On CPU tensors a call that passes every check ends at the device check: the largest
 # moe_align the padded-length limit admits gets that far, one pair more does not.
 CPU_ONLY_CASES: dict[str, Case] = {
     "padded_at_limit": Case(padded_overflow(0), r"argument 'topk_ids' must be on a CUDA device"),
+    # training_inputs pass every check but the device's, so each case above fails on its
+    # replacement alone.
+    "forward_valid_on_cpu": Case(
+        training("moe_forward"), r"moe_forward: argument 'x' must be on a CUDA device"
+    ),
+    "backward_valid_on_cpu": Case(
+        training("moe_backward"), r"moe_backward: argument 'x' must be on a CUDA device"
+    ),
 }
 
 
