@@ -4,22 +4,38 @@ Run on the GPU machine (peers' wheels from scripts/fetch-peer-wheels installed i
 PYTHONPATH first)::
 
     python benchmarks/flash_moe.py [--quick] [--configs qwen3,...] [--tokens 64,1024,...]
-                                   [--results benchmarks/RESULTS.md] [--backward]
+                                   [--results benchmarks/RESULTS.md] [--training]
+                                   [--zipf qwen3:32768,...]
 
 Times, with CUDA events (triton.testing.do_bench, median, L2 flushed before each call),
-the whole forward a user pays: ours = moe_align + fused_moe_bf16 (split=True, and
-split=False with the zeroing of out), the grouped-mm expert path (reference.py),
-Liger-Kernel's Triton fused MoE and SonicMoE; each peer is skipped with its reason when it
-is missing or fails. Every output is checked against grouped-mm's (relative error) once per
-shape. Writes the table into the results file between ``<!-- flash_moe:forward -->`` and
-``<!-- /flash_moe:forward -->`` (the rest of the file is left as it is) and the raw numbers
-into ``--results-json`` (benchmarks/results/flash_moe.json; flash_moe-forward-quick.json
-with --quick), and, where $OUT is set, $OUT/flash_moe_bench.json (the raw numbers, also
-split into forward and backward), $OUT/RESULTS.md and $OUT/flash_moe.json (the updated
-files, to copy back) and $OUT/flash_moe_sections.md (this run's sections alone, for
-``--merge`` on another checkout). ``--self-test`` runs the whole pipeline, forward and
-backward, on CPU at a toy shape, writing into a temporary directory, and checks what it
-wrote.
+the median over ``--rounds`` interleaved rounds per shape:
+
+- by default, the whole forward a user pays (no autograd): ours = moe_align +
+  fused_moe_bf16 (split=True, and split=False with the zeroing of out), the grouped-mm
+  expert path (reference.py), Liger-Kernel's Triton fused MoE and SonicMoE (inference
+  mode); each output checked against grouped-mm's. Section ``forward``, raw numbers in
+  benchmarks/results/flash_moe.json.
+- with ``--training`` (alias ``--backward``), the step a trainer runs, at T in {8192,
+  32768} for the five configs by default, for ours (``flash_moe.moe``), autograd of the
+  grouped-mm path, Liger and SonicMoE (training mode), in the same sitting: x, w, w2 and
+  topk_weights are leaves requiring grad. Per path the training forward (``fwd-train``:
+  grad enabled, output kept with what autograd saved) and forward + backward (``fwd+bwd``:
+  the gradients dx, dw, dw2 and dtopk_weights, each checked against grouped-mm's), both
+  with the memory they allocate above what was allocated before them (weights and inputs
+  excluded), and the backward alone as their difference (``bwd``). Uniform (softmax top-k)
+  routing, plus a Zipf-routed shape (``--zipf``; default Qwen3 at the largest T). Sections
+  ``training`` (the step), ``training-backward`` and ``training-forward``, raw numbers in
+  benchmarks/results/flash_moe-training.json.
+
+Each peer is skipped with its reason when it is missing or fails. A run writes its
+sections into the results file between ``<!-- flash_moe:NAME -->`` and ``<!--
+/flash_moe:NAME -->`` (the rest of the file is left as it is) and its raw numbers into
+``--results-json``, and, where $OUT is set, $OUT/flash_moe_bench.json (the raw numbers,
+also split by mode), $OUT/RESULTS.md and the results JSON (the updated files, to copy back)
+and $OUT/flash_moe_sections.md (this run's sections alone, for ``--merge`` on another
+checkout). ``--self-test`` runs the whole pipeline on CPU at a toy shape, the forward run
+and then the training run (only the latter with ``--training``), writing into a temporary
+directory, and checks what they wrote.
 
 This file holds the workloads; benchmarks/harness.py times, tabulates and writes them, and
 benchmarks/peers.py holds the implementations.
@@ -28,6 +44,7 @@ benchmarks/peers.py holds the implementations.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -63,12 +80,25 @@ TOKENS = (64, 1024, 8192, 32768)
 QUICK_CONFIGS = ("qwen3", "mixtral")
 QUICK_TOKENS = (64, 8192)
 LARGE_T = (8192, 32768)
+TRAINING_TOKENS = LARGE_T
+QUICK_TRAINING_TOKENS = (8192,)
+ZIPF_S = 1.2  # expert of rank r drawn with probability proportional to r^-s
+ZIPF_CONFIG = "qwen3"  # the default Zipf-routed shape's config, at the run's largest T
+SOFTMAX = "softmax"  # the routing of every other shape (reference.routing)
+FORWARD_SECTIONS = ("forward",)
+TRAINING_SECTIONS = ("training", "training-backward", "training-forward")
+# the modes of a run's rows; "bwd" is derived: fwd+bwd - fwd-train
+TRAINING_MODES = ("fwd-train", "fwd+bwd", "bwd")
+# FLOPs per mode in units of 2*T*k*D*H (one MoE layer: gate/up 2 of them, down 1)
+FLOP_UNITS = {"fwd": 3, "fwd-train": 3, "fwd+bwd": 9, "bwd": 6}
+GRADS = ("dx", "dw", "dw2", "dtopk_weights")
 WEIGHT_READ_MAX_T = 1024
 PEERS = ("grouped-mm", "liger", "sonic")
 PEER_PACKAGES = ("liger-kernel", "sonic-moe", "quack-kernels", "nvidia-cutlass-dsl")
 ERR_FLAG = 2e-2  # relative error vs grouped-mm above which a row is flagged
 SELF_TEST_CONFIGS = {"toy": ("toy", 128, 64, 8, 2)}
 SELF_TEST_TOKENS = (16, 64)
+SELF_TEST_ZIPF_CONFIG = "toy"
 # (default, --quick)
 WARMUP_MS, REP_MS, BUDGET_S = (25.0, 10.0), (100.0, 40.0), (520.0, 170.0)
 
@@ -84,6 +114,28 @@ def resolve_configs(names):
     return out
 
 
+def zipf_shapes(args):
+    """[(config key, T)] of the Zipf-routed shapes: --zipf's, or by default (training runs)
+    the Zipf config at the run's largest T when it is among the configs."""
+    spec = (args.zipf or "").strip().lower()
+    if spec == "none" or (not spec and not args.training):
+        return []
+    if not spec:
+        cfg = SELF_TEST_ZIPF_CONFIG if args.self_test else ZIPF_CONFIG
+        return [(cfg, max(args.tokens_list))] if cfg in args.configs_list else []
+    known = SELF_TEST_CONFIGS if args.self_test else CONFIGS
+    out = []
+    for item in spec.split(","):
+        name, sep, t = item.strip().partition(":")
+        if not sep or not t.strip().isdigit():
+            raise ValueError(f"--zipf takes CONFIG:T items, got {item.strip()!r}")
+        key = ALIASES.get(name.strip(), name.strip())
+        if key not in known:
+            raise ValueError(f"unknown config {name!r} in --zipf; known: {', '.join(known)}")
+        out.append((key, int(t)))
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,15 +143,40 @@ def parse_args(argv=None):
     harness.add_run_args(
         p,
         OP,
-        f"configs {','.join(QUICK_CONFIGS)}, T in {QUICK_TOKENS}, shorter timing",
+        f"configs {','.join(QUICK_CONFIGS)}, T in {QUICK_TOKENS} (with --training "
+        f"{QUICK_TRAINING_TOKENS}), shorter timing",
         WARMUP_MS,
         REP_MS,
         BUDGET_S,
     )
     p.add_argument("--configs", help=f"comma list of {','.join(CONFIGS)}")
-    p.add_argument("--tokens", help=f"comma list of T (default {','.join(map(str, TOKENS))})")
     p.add_argument(
-        "--backward", action="store_true", help="also time forward+backward, with peak memory"
+        "--tokens",
+        help=f"comma list of T (default {','.join(map(str, TOKENS))}; with --training "
+        f"{','.join(map(str, TRAINING_TOKENS))})",
+    )
+    p.add_argument(
+        "--training",
+        "--backward",
+        dest="training",
+        action="store_true",
+        help="time the training step instead of the forward: per path the training forward, "
+        "forward + backward (gradients of x, w, w2, topk_weights) with the memory above what "
+        "was held before, and backward = their difference; T in "
+        f"{{{', '.join(map(str, TRAINING_TOKENS))}}} by default, plus a Zipf-routed shape",
+    )
+    p.add_argument(
+        "--zipf",
+        help="comma list of CONFIG:T shapes routed by a Zipf law over the experts, after the "
+        f"config's other shapes (default with --training: {ZIPF_CONFIG} at the run's largest T "
+        f"when {ZIPF_CONFIG} is among the configs; 'none' for none)",
+    )
+    p.add_argument(
+        "--zipf-s",
+        type=float,
+        default=ZIPF_S,
+        help=f"Zipf exponent s: the expert of rank r is drawn with probability ~ r^-s "
+        f"(default {ZIPF_S:g})",
     )
     p.add_argument(
         "--peers",
@@ -116,14 +193,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--self-test",
         action="store_true",
-        help="CPU dry run at a toy shape, forward and backward, into a temporary directory "
-        "(grouped-mm stands in for ours)",
+        help="CPU dry run at a toy shape into a temporary directory, the forward run and then "
+        "the training run (only the latter with --training); grouped-mm stands in for ours",
     )
     args = p.parse_args(argv)
     if args.self_test:
         args.configs_list = list(SELF_TEST_CONFIGS)
         args.tokens_list = list(SELF_TEST_TOKENS)
-        args.backward = True
     else:
         names = (
             args.configs.split(",")
@@ -136,8 +212,16 @@ def parse_args(argv=None):
             p.error(str(exc))
         if args.tokens:
             args.tokens_list = [int(t) for t in args.tokens.split(",") if t.strip()]
+        elif args.training:
+            args.tokens_list = list(QUICK_TRAINING_TOKENS if args.quick else TRAINING_TOKENS)
         else:
             args.tokens_list = list(QUICK_TOKENS if args.quick else TOKENS)
+    try:
+        args.zipf_list = zipf_shapes(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.zipf_s <= 0:
+        p.error(f"--zipf-s must be positive, got {args.zipf_s:g}")
     peer_names = (
         []
         if args.peers.strip().lower() == "none"
@@ -152,10 +236,11 @@ def parse_args(argv=None):
         OP,
         argv,
         "benchmarks/flash_moe.py",
-        ("forward", "backward"),
+        TRAINING_SECTIONS if args.training else FORWARD_SECTIONS,
         WARMUP_MS,
         REP_MS,
         BUDGET_S,
+        plain_json=not args.training,  # a training run's: flash_moe-training.json
     )
     return args
 
@@ -190,6 +275,40 @@ def make_inputs(T, D, E, k, gen, device, routing=None):
     x = (torch.randn(T, D, generator=gen, device=device) * 0.2).to(torch.bfloat16)
     ids, wts = (routing or softmax_topk_routing)(T, E, k, generator=gen, device=device)
     return x, ids, wts
+
+
+def zipf_topk_routing(s):
+    """A routing function (reference.routing's signature) with skewed expert load: each
+    token draws k distinct experts without replacement, the expert of rank r with
+    probability proportional to r^-s (the ranks a random permutation of the experts, drawn
+    from the generator); its weights are a softmax over normal logits at those experts,
+    renormalized, as in the softmax routing."""
+
+    def routing(T, E, k, generator, device):
+        import torch
+
+        perm = torch.randperm(E, generator=generator, device=device)
+        ranks = torch.empty(E, device=device)
+        ranks[perm] = torch.arange(1, E + 1, device=device, dtype=ranks.dtype)
+        probs = ranks.pow(-s).expand(T, E).contiguous()
+        ids = torch.multinomial(probs, k, replacement=False, generator=generator)
+        logits = torch.randn(T, E, generator=generator, device=device)
+        wts = torch.softmax(logits, -1).gather(1, ids)
+        return ids.to(torch.int32), (wts / wts.sum(-1, keepdim=True)).float()
+
+    return routing
+
+
+def expert_load(ids, E):
+    """What a routing gives the experts: how many have pairs, and the busiest one's pairs
+    over the mean T*k/E (1: perfectly even)."""
+    import torch
+
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    return {
+        "e_active": int((counts > 0).sum()),
+        "load_max_over_mean": float(counts.max()) * E / max(ids.numel(), 1),
+    }
 
 
 def rates(ceilings, flops, wbytes=None):
@@ -259,25 +378,22 @@ class SelfTestOurs(peers.Impl):
         self.name = f"ours split={split}"
 
     def settings(self):
-        return {"split": self.split, "stand-in": "reference.moe_grouped_mm"}
+        return {**super().settings(), "split": self.split, "stand-in": "reference.moe_grouped_mm"}
 
     def forward(self, state, x, topk_ids, topk_weights):
         w, w2 = state
         return lambda: self.ref(x, w, w2, topk_ids, topk_weights)
 
-    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
-        import torch
-
-        leaves = peers._leaves(x, w, w2)
-
-        def fn():
-            out = self.ref(*leaves, topk_ids, topk_weights)
-            return torch.autograd.grad(out, leaves, grad_out)
-
-        return fn
+    def train_step(self, state, topk_ids):
+        ref = self.ref
+        return lambda x, w, w2, topk_weights: ref(x, w, w2, topk_ids, topk_weights)
 
 
 # --------------------------------------------------------------------------- the run
+
+
+def zipf_name(s):
+    return f"zipf s={s:g}"
 
 
 def run(args):
@@ -294,7 +410,11 @@ def run(args):
     timer = harness.Timer(device, args.warmup_ms, args.rep_ms, args.rounds)
     meta = harness.environment(device, args.argv, timer)
     meta.update(
-        versions=peers.peer_versions(), tune_peers=args.tune_peers, self_test=args.self_test
+        versions=peers.peer_versions(),
+        tune_peers=args.tune_peers,
+        self_test=args.self_test,
+        training=args.training,
+        zipf={"s": args.zipf_s, "shapes": [f"{c}:{T}" for c, T in args.zipf_list]},
     )
     log(harness.header_line(meta))
     log(f"command: {meta['command']}")
@@ -304,51 +424,88 @@ def run(args):
     session = harness.Session(device, timer, harness.Budget(args.budget_s, started))
     live = load_impls(args, device, session)
     configs = SELF_TEST_CONFIGS if args.self_test else CONFIGS
-    fwd_rows, bwd_rows = [], []
+    rows = {mode: [] for mode in (TRAINING_MODES if args.training else ("fwd",))}
     rel_err = reference.relative_error
+    softmax = getattr(reference, "routing", None)
+    zipf = zipf_topk_routing(args.zipf_s)
 
     def grads_err(grads, ref):
-        return max(rel_err(g, r) for g, r in zip(grads, ref))
+        return {
+            name: None if g is None or r is None else rel_err(g, r)
+            for name, g, r in zip(GRADS, grads, ref)
+        }
+
+    def one_ours(impl):  # one training row for ours: moe() has no split choice
+        return "ours" if impl.kind == "ours" else impl.name
+
+    # the training rows' implementations: the first of each row name (ours split=True)
+    trainers = []
+    for impl in live:
+        if all(one_ours(t) != one_ours(impl) for t in trainers):
+            trainers.append(impl)
 
     # one function per config and per shape, so that their tensors are gone when they return
-    def shape(label, D, H, E, k, T, w, w2, states, broken, gen):
-        x, ids, wts = make_inputs(T, D, E, k, gen, device, getattr(reference, "routing", None))
-        e_active = int(torch.unique(ids).numel())
-        flops = 6.0 * T * k * D * H
-        where = dict(config=label, D=D, H=H, E=E, k=k, T=T, e_active=e_active)
-        wbytes = e_active * 3.0 * D * H * 2 if T <= WEIGHT_READ_MAX_T else None
-        fwd_rows.extend(
-            session.time_shape(
-                live,
-                where,
-                "fwd",
-                lambda impl: impl.forward(states[impl.name], x, ids, wts),
-                rel_err,
-                broken,
-                derive=rates(ceilings, flops, wbytes),
+    def shape(label, D, H, E, k, T, routing, w, w2, states, broken, gen):
+        route = softmax if routing == SOFTMAX else zipf
+        x, ids, wts = make_inputs(T, D, E, k, gen, device, route)
+        where = dict(config=label, D=D, H=H, E=E, k=k, T=T, routing=routing, **expert_load(ids, E))
+        unit = 2.0 * T * k * D * H
+        if not args.training:
+            e_active = where["e_active"]
+            wbytes = e_active * 3.0 * D * H * 2 if T <= WEIGHT_READ_MAX_T else None
+            rows["fwd"].extend(
+                session.time_shape(
+                    live,
+                    where,
+                    "fwd",
+                    lambda impl: impl.forward(states[impl.name], x, ids, wts),
+                    rel_err,
+                    broken,
+                    derive=rates(ceilings, FLOP_UNITS["fwd"] * unit, wbytes),
+                )
             )
-        )
-        if not args.backward or session.stopped():
             return
-        grad_out = (torch.randn(x.shape, device=device) * 0.1).to(x.dtype)
-        bwd_rows.extend(
-            session.time_shape(
-                live,
-                where,
-                "fwd+bwd",
-                lambda impl: impl.forward_backward(states[impl.name], x, w, w2, ids, wts, grad_out),
-                grads_err,
-                dict(broken),  # a backward failure leaves the forward alone
-                derive=rates(ceilings, 3 * flops),
-                # one backward row for ours: moe() has no split choice
-                name=lambda impl: "ours" if impl.kind == "ours" else impl.name,
-                memory=True,
-                recover=False,
-            )
+        # The training step: the forward with grad enabled alone, then forward + backward;
+        # an implementation failing either is not tried again in this config.
+        train = session.time_shape(
+            trainers,
+            where,
+            "fwd-train",
+            lambda impl: impl.forward_train(states[impl.name], x, w, w2, ids, wts),
+            rel_err,
+            broken,
+            derive=rates(ceilings, FLOP_UNITS["fwd-train"] * unit),
+            name=one_ours,
+            memory=True,
+            recover=False,
         )
+        rows["fwd-train"].extend(train)
+        if session.stopped():
+            return
+        grad_out = (torch.randn(x.shape, generator=gen, device=device) * 0.1).to(x.dtype)
+        step = session.time_shape(
+            trainers,
+            where,
+            "fwd+bwd",
+            lambda impl: impl.forward_backward(states[impl.name], x, w, w2, ids, wts, grad_out),
+            grads_err,
+            broken,
+            derive=rates(ceilings, FLOP_UNITS["fwd+bwd"] * unit),
+            name=one_ours,
+            memory=True,
+            recover=False,
+        )
+        rows["fwd+bwd"].extend(step)
+        bwd = harness.difference_rows(
+            step, train, "bwd", derive=rates(ceilings, FLOP_UNITS["bwd"] * unit)
+        )
+        for r in bwd:
+            log(harness.row_line(r))
+        rows["bwd"].extend(bwd)
         session.check_context()
 
-    def config(label, D, H, E, k):
+    def config(cfg_key, shapes):
+        label, D, H, E, k = configs[cfg_key]
         gen = torch.Generator(device=device).manual_seed(args.seed)
         w, w2 = make_weights(D, H, E, gen, device)
         log(f"== {label}: D={D} H={H} E={E} k={k}")
@@ -359,32 +516,62 @@ def run(args):
             except peers.Skip as exc:
                 broken[impl.name] = str(exc)
                 session.skip(impl.name, str(exc), label, "all")
-        for T in args.tokens_list:
+        for T, routing in shapes:
             if session.stopped():
                 break
-            shape(label, D, H, E, k, T, w, w2, states, broken, gen)
+            shape(label, D, H, E, k, T, routing, w, w2, states, broken, gen)
             harness.free_memory(device)
 
+    # each config's softmax-routed shapes, then its Zipf-routed ones (a config named only by
+    # --zipf runs just those)
+    plan = {key: [(T, SOFTMAX) for T in args.tokens_list] for key in args.configs_list}
+    for key, T in args.zipf_list:
+        plan.setdefault(key, []).append((T, zipf_name(args.zipf_s)))
     try:
-        for cfg_key in args.configs_list:
+        for cfg_key, shapes in plan.items():
             if session.stopped():
                 break
-            config(*configs[cfg_key])
+            config(cfg_key, shapes)
             harness.free_memory(device)
     finally:
-        doc = finish(args, meta, ceilings, live, session.skips, fwd_rows, bwd_rows, started)
+        doc = finish(args, meta, ceilings, live, session.skips, rows, started)
     return doc
 
 
 # --------------------------------------------------------------------------- reporting
 
+TITLES = {
+    "fwd": "forward",
+    "fwd-train": "training forward",
+    "fwd+bwd": "training step: forward + backward",
+    "bwd": "backward alone: (forward + backward) - training forward",
+}
+
+
+def routed(rows, softmax=True):
+    """The rows of softmax-routed shapes (the means are over these), or the others."""
+    return [r for r in rows if (r.get("routing", SOFTMAX) == SOFTMAX) == softmax]
+
 
 def columns(rows, mode):
-    cols = [
-        harness.value_column("config", "config"),
-        harness.value_column("T", "T"),
-        harness.value_column("impl", "impl"),
-        harness.MS_COLUMN,
+    cols = [harness.value_column("config", "config"), harness.value_column("T", "T")]
+    if routed(rows, softmax=False):
+        cols += [
+            harness.value_column("routing", "routing"),
+            harness.Column(
+                "busiest expert",
+                lambda r: (
+                    f"{r['load_max_over_mean']:.1f}x mean" if "load_max_over_mean" in r else ""
+                ),
+            ),
+        ]
+    cols += [harness.value_column("impl", "impl"), harness.MS_COLUMN]
+    if mode == "bwd":
+        cols += [
+            harness.Column("fwd+bwd ms", lambda r: harness.fmt_ms(r["total_ms"])),
+            harness.Column("fwd-train ms", lambda r: harness.fmt_ms(r["part_ms"])),
+        ]
+    cols += [
         harness.value_column("TFLOP/s", "tflops", ".1f"),
         harness.value_column("of dense", "frac_dense", ".1%"),
     ]
@@ -393,122 +580,274 @@ def columns(rows, mode):
             harness.value_column("weight GB/s", "weight_gbps", ".0f"),
             harness.value_column("of copy", "frac_copy", ".1%"),
         ]
-    else:
+    elif mode == "fwd-train":
         cols += [
-            harness.value_column("peak GB", "peak_gb", ".2f"),
-            harness.value_column("extra GB", "extra_gb", ".2f"),
+            harness.value_column("peak GB", "extra_gb", ".2f"),
+            harness.value_column("kept GB", "held_gb", ".2f"),
         ]
+    elif mode == "fwd+bwd":
+        cols.append(harness.value_column("peak GB", "extra_gb", ".2f"))
     return cols + harness.speedup_columns(rows) + [harness.rel_err_column(ERR_FLAG)]
+
+
+TRAINING_LEGEND = (
+    "The step a trainer runs: x, w, w2 and topk_weights are fresh leaf copies requiring "
+    "grad (made outside the timing), gradients by torch.autograd.grad (nothing accumulated "
+    "into .grad). ours = flash_moe.moe; grouped-mm = autograd of reference.moe_grouped_mm; "
+    "liger = LigerFusedMoEFunction; sonicmoe = moe_general_routing_inputs with "
+    "is_inference_mode_enabled=False, router_scores = topk_weights' leaf viewed flat."
+)
+MODE_LEGEND = {
+    "fwd": (
+        "TFLOP/s counts 6·T·k·D·H; weight GB/s = E_active·3·D·H·2 bytes / time, for "
+        f"T ≤ {WEIGHT_READ_MAX_T}. rel err = ‖out − grouped-mm‖/‖grouped-mm‖"
+    ),
+    "fwd-train": (
+        "The forward with grad enabled, its output (and what autograd saved for the "
+        "backward) alive until the call returns. TFLOP/s counts 6·T·k·D·H. peak GB = the "
+        "peak allocated during one call minus what was allocated just before it (weights and "
+        "inputs excluded); kept GB = what is still allocated after it while its output is "
+        "alive, minus the same base (the output and what the backward will read). "
+        "rel err = ‖out − grouped-mm‖/‖grouped-mm‖"
+    ),
+    "fwd+bwd": (
+        "Forward and backward, returning dx, dw, dw2 and dtopk_weights. TFLOP/s counts "
+        "18·T·k·D·H. peak GB = the peak allocated during one step minus what was allocated "
+        "just before it (weights and inputs excluded, the gradients included). rel err = the "
+        "largest over the four gradients of ‖g − grouped-mm's‖/‖grouped-mm's‖ (each one in "
+        "the JSON's rel_errs)"
+    ),
+    "bwd": (
+        "Backward ms = fwd+bwd ms − fwd-train ms, each the median of its own rounds, so "
+        "`x vs P` compares the backward alone. TFLOP/s counts 12·T·k·D·H. rel err: the "
+        "step's (the largest over the four gradients)"
+    ),
+}
 
 
 def legend(meta, mode):
     tuned = "autotuned" if meta["tune_peers"] else "not autotuned (their default configs)"
-    counts = (
-        "TFLOP/s counts "
-        + ("6·T·k·D·H" if mode == "fwd" else "18·T·k·D·H (fwd+bwd)")
-        + (
-            f"; weight GB/s = E_active·3·D·H·2 bytes / time, for T ≤ {WEIGHT_READ_MAX_T}"
-            if mode == "fwd"
-            else "; peak GB = torch.cuda.max_memory_allocated over one "
-            "step, extra GB = peak minus what was allocated before it"
+    parts = [harness.timing_sentence(meta), f"Peers {tuned}.", harness.SPEEDUP_LEGEND]
+    if mode != "fwd":
+        parts.append(TRAINING_LEGEND)
+    parts.append(f"{MODE_LEGEND[mode]}; (!) marks > {ERR_FLAG:g}.")
+    if meta["zipf"]["shapes"]:
+        parts.append(
+            "Routing: top-k of a softmax over normal logits; zipf rows draw k distinct experts "
+            f"per token, the expert of rank r with probability ∝ r^-{meta['zipf']['s']:g}, "
+            "and are left out of the geometric means."
         )
-        + ". rel err = ‖out − grouped-mm‖/‖grouped-mm‖"
-        + (" (max over dx, dw, dw2)" if mode != "fwd" else "")
-        + f"; (!) marks > {ERR_FLAG:g}."
-    )
-    return " ".join(
-        [harness.timing_sentence(meta), f"Peers {tuned}.", harness.SPEEDUP_LEGEND, counts]
-    )
+    return " ".join(parts)
 
 
-def section(title, meta, ceilings, rows, mode, skips, notes):
+def gm_lines(rows):
+    return harness.geomean_lines(harness.geomeans(routed(rows), LARGE_T), LARGE_T)
+
+
+def zipf_lines(rows, what):
+    """One line per Zipf-routed shape: ours' speedups there (not in the means)."""
+    out = []
+    for r in routed(rows, softmax=False):
+        if r["kind"] != "ours" or not r["speedup"]:
+            continue
+        ratios = ", ".join(f"vs {name} {x:.2f}x" for name, x in r["speedup"].items())
+        out.append(
+            f"Zipf-routed, {what}: {r['config']} T={r['T']} {r['routing']} (busiest expert "
+            f"{r['load_max_over_mean']:.1f}x the mean load): {r['impl']} {ratios}"
+        )
+    return out
+
+
+def notes(rows, what, *more):
+    """A section's notes: the Zipf-routed shapes' speedups, then the rows' notes."""
+    lines = [*zipf_lines(rows, what), *more]
+    return lines + sorted({f"{r['impl']}: {r['note']}" for r in rows if r.get("note")})
+
+
+def section(title, meta, ceilings, rows, mode, skips, note_lines, extra_means=()):
     return harness.section_md(
         title,
         meta,
         ceilings,
         legend(meta, mode),
         harness.md_table(columns(rows, mode), rows),
-        harness.geomean_lines(harness.geomeans(rows, LARGE_T), LARGE_T),
-        notes,
+        [*gm_lines(rows), *extra_means],
+        note_lines,
         skips,
         PEER_PACKAGES,
     )
 
 
-def finish(args, meta, ceilings, live, skips, fwd_rows, bwd_rows, started):
+def finish(args, meta, ceilings, live, skips, rows, started):
     elapsed = time.time() - started
-    harness.log_table("forward", columns(fwd_rows, "fwd"), fwd_rows, LARGE_T)
-    if args.backward:
-        harness.log_table("forward + backward", columns(bwd_rows, "bwd"), bwd_rows, LARGE_T)
+    for mode, mode_rows in rows.items():
+        log()
+        log(f"{TITLES[mode]}:")
+        log(harness.text_table(columns(mode_rows, mode), mode_rows))
+        for line in gm_lines(mode_rows) + zipf_lines(mode_rows, mode):
+            log(line)
     log(f"total {elapsed:.0f} s")
     meta["peers"] = harness.impls_meta(live)
     meta["definitions"] = {
-        "flops": "fwd 6*T*k*D*H, fwd+bwd 18*T*k*D*H",
+        "flops": "fwd and fwd-train 6*T*k*D*H, fwd+bwd 18*T*k*D*H, bwd 12*T*k*D*H",
         "weight_bytes": f"E_active*3*D*H*2, for T <= {WEIGHT_READ_MAX_T}",
         "speedup": "other impl's ms / this row's ms (above 1: this row is faster)",
-        "rel_err": "||out - grouped-mm|| / ||grouped-mm|| (fwd+bwd: max over dx, dw, dw2)",
+        "rel_err": "||out - grouped-mm|| / ||grouped-mm||; fwd+bwd and bwd: the largest of "
+        "rel_errs, the same per gradient (dx, dw, dw2, dtopk_weights) against grouped-mm "
+        "autograd's",
+        "fwd-train": "the forward with grad enabled on leaf copies of x, w, w2, topk_weights "
+        "(all requiring grad), its output kept until the call returns",
+        "fwd+bwd": "fwd-train plus torch.autograd.grad w.r.t. the four leaves",
+        "bwd": "fwd+bwd ms - fwd-train ms, each the median over its interleaved rounds",
+        "memory": "peak_gb: torch.cuda.max_memory_allocated during one call; extra_gb: that "
+        "peak minus memory_allocated just before the call (weights, inputs, leaf copies and "
+        "the reference's outputs excluded); held_gb: allocated after the call while its "
+        "result is alive, minus the same base (fwd-train: out and what autograd saved; "
+        "fwd+bwd: the gradients)",
+        "routing": "softmax: top-k of a softmax over normal logits, renormalized "
+        "(reference.routing); zipf s: k distinct experts per token drawn without replacement, "
+        "rank r with probability proportional to r^-s over a random permutation of the "
+        "experts, weights a softmax over normal logits at those experts, renormalized; "
+        "load_max_over_mean: the busiest expert's pairs over T*k/E",
+        "geomeans": f"over softmax-routed shapes only; large_T = T in {list(LARGE_T)}",
     }
-    notes = sorted({f"{r['impl']}: {r['note']}" for r in fwd_rows if r.get("note")})
     quick = " (quick)" if args.quick and not args.section else ""
-    fwd_skips = [s for s in skips if s.get("mode") != "fwd+bwd"]
-    sections = {
-        args.sections["forward"]: section(
-            f"flash_moe forward{quick}", meta, ceilings, fwd_rows, "fwd", fwd_skips, notes
-        )
-    }
-    if args.backward:
-        bwd_skips = [s for s in skips if s.get("mode") == "fwd+bwd"]
-        sections[args.sections["backward"]] = section(
-            f"flash_moe forward + backward{quick}",
-            meta,
-            ceilings,
-            bwd_rows,
-            "bwd",
-            bwd_skips,
-            [],
-        )
+    if not args.training:
+        fwd_rows = rows["fwd"]
+        sections = {
+            args.sections["forward"]: section(
+                f"flash_moe forward{quick}",
+                meta,
+                ceilings,
+                fwd_rows,
+                "fwd",
+                skips,
+                notes(fwd_rows, "forward"),
+            )
+        }
+        geomeans = {"forward": harness.geomeans(routed(fwd_rows), LARGE_T)}
+        bench_extra = {"forward": fwd_rows}
+    else:
+        train, step, bwd = rows["fwd-train"], rows["fwd+bwd"], rows["bwd"]
+        # the step's section also carries the backward's means and Zipf ratios: the
+        # headline figures in one place
+        bwd_means = [f"backward alone: {line}" for line in gm_lines(bwd)]
+        sections = {
+            args.sections["training"]: section(
+                f"flash_moe {TITLES['fwd+bwd']}{quick}",
+                meta,
+                ceilings,
+                step,
+                "fwd+bwd",
+                skips,
+                notes(step, "fwd+bwd", *zipf_lines(bwd, "backward alone")),
+                bwd_means,
+            ),
+            args.sections["training-backward"]: section(
+                f"flash_moe {TITLES['bwd']}{quick}",
+                meta,
+                ceilings,
+                bwd,
+                "bwd",
+                [],
+                notes(bwd, "backward alone"),
+            ),
+            args.sections["training-forward"]: section(
+                f"flash_moe {TITLES['fwd-train']}{quick}",
+                meta,
+                ceilings,
+                train,
+                "fwd-train",
+                [],
+                notes(train, "training forward"),
+            ),
+        }
+        geomeans = {mode: harness.geomeans(routed(r), LARGE_T) for mode, r in rows.items()}
+        bench_extra = dict(rows)
     doc = {
         "meta": meta,
         "ceilings": ceilings,
-        "rows": fwd_rows + bwd_rows,
+        "rows": [r for mode_rows in rows.values() for r in mode_rows],
         "skips": skips,
-        "geomeans": {
-            "forward": harness.geomeans(fwd_rows, LARGE_T),
-            "backward": harness.geomeans(bwd_rows, LARGE_T),
-        },
+        "geomeans": geomeans,
         "elapsed_s": elapsed,
     }
-    harness.publish(OP, args, sections, doc, {"forward": fwd_rows, "backward": bwd_rows})
+    harness.publish(OP, args, sections, doc, bench_extra)
     return doc
 
 
-def self_test(args):
-    scratch, original = harness.self_test_paths(args)
-    doc = run(args)
-    problems = harness.check_written(
-        OP,
-        args,
-        doc,
-        original,
-        scratch,
-        lambda src, dst: main(["--merge", src, "--results", dst]),
-    )
+def check_rows(args, doc):
+    """Problems with a self-test run's rows: every shape has its rows in every mode, with
+    rates, speedups, errors (the four gradients' in fwd+bwd) and memory where due."""
+    problems = []
     ours = [] if args.no_ours else ["ours split=True", "ours split=False"]
-    want = {"fwd": {"grouped-mm", *ours}, "fwd+bwd": {"grouped-mm", *(["ours"] if ours else [])}}
-    for T in args.tokens_list:
+    if args.training:
+        want = {mode: {"grouped-mm", *(["ours"] if ours else [])} for mode in TRAINING_MODES}
+    else:
+        want = {"fwd": {"grouped-mm", *ours}}
+    shapes = [(T, SOFTMAX) for T in args.tokens_list]
+    shapes += [(T, zipf_name(args.zipf_s)) for _, T in args.zipf_list]
+    for T, routing in shapes:
         for mode in want:
-            got = {r["impl"] for r in doc["rows"] if r["T"] == T and r["mode"] == mode}
+            got = {
+                r["impl"]
+                for r in doc["rows"]
+                if r["T"] == T and r["mode"] == mode and r["routing"] == routing
+            }
             if got != want[mode]:
-                problems.append(f"{mode} rows at T={T}: {sorted(got)}")
+                problems.append(f"{mode} rows at T={T} ({routing}): {sorted(got)}")
     for r in doc["rows"]:
-        where = f"{r['impl']} {r['mode']} T={r['T']}"
+        where = f"{r['impl']} {r['mode']} T={r['T']} ({r['routing']})"
+        if r["mode"] == "bwd" and not math.isfinite(r["ms"]):
+            if "no difference" not in r.get("note", ""):
+                problems.append(f"{where}: NaN without its note")
+            continue
         if not (r["ms"] > 0 and r["tflops"] > 0 and "frac_dense" in r and "speedup" in r):
             problems.append(f"{where}: rates or speedups missing")
         if r["kind"] == "ours" and not (r["rel_err"] is not None and r["rel_err"] <= ERR_FLAG):
             problems.append(f"{where}: rel err {r['rel_err']}")
         if r["mode"] == "fwd" and ("weight_gbps" in r) != (r["T"] <= WEIGHT_READ_MAX_T):
             problems.append(f"{where}: weight GB/s")
-    harness.self_test_verdict(problems, scratch, f"{len(doc['rows'])} rows, files and --merge")
+        if r["mode"] in ("fwd-train", "fwd+bwd") and not {"extra_gb", "held_gb"} <= set(r):
+            problems.append(f"{where}: memory")
+        if r["mode"] in ("fwd+bwd", "bwd") and r["kind"] != "baseline":
+            errs = r.get("rel_errs") or {}
+            if set(errs) != set(GRADS) or None in errs.values():
+                problems.append(f"{where}: gradient errors {errs}")
+        if r["mode"] == "bwd" and abs(r["ms"] - (r["total_ms"] - r["part_ms"])) > 1e-9:
+            problems.append(f"{where}: backward is not fwd+bwd - fwd-train")
+        if r["routing"] != SOFTMAX and not r["load_max_over_mean"] > 1:
+            problems.append(f"{where}: Zipf routing without skew")
+    if set(doc["geomeans"]) != set(want if args.training else ["forward"]):
+        problems.append(f"geomeans: {sorted(doc['geomeans'])}")
+    return problems
+
+
+def self_test(args, argv):
+    """The forward run, then (or only, with --training) the training run, both writing
+    into one temporary results file: each run must leave the other's sections as they
+    were."""
+    runs = [args] if args.training else [args, parse_args([*argv, "--training"])]
+    scratch, problems, total = None, [], 0
+    for run_args in runs:
+        scratch, original = harness.self_test_paths(run_args, scratch)
+        doc = run(run_args)
+        total += len(doc["rows"])
+        problems += harness.check_written(
+            OP,
+            run_args,
+            doc,
+            original,
+            scratch,
+            lambda src, dst: main(["--merge", src, "--results", dst]),
+        )
+        problems += [
+            f"{'training' if run_args.training else 'forward'} run: {p}"
+            for p in check_rows(run_args, doc)
+        ]
+    harness.self_test_verdict(
+        problems, scratch, f"{total} rows in {len(runs)} runs, files and --merge"
+    )
 
 
 def main(argv=None):
@@ -516,8 +855,9 @@ def main(argv=None):
     if args.merge:
         harness.merge(args, OP)
     elif args.self_test:
-        self_test(args)
+        self_test(args, list(sys.argv[1:] if argv is None else argv))
     else:
+        harness.interrupt_on_sigterm()  # a time limit's SIGTERM still writes what ran
         run(args)
 
 

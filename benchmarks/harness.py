@@ -130,6 +130,15 @@ def timing_sentence(meta) -> str:
 SPEEDUP_LEGEND = "`x vs P` = P's ms / this row's ms (above 1: this row is faster)."
 
 
+def interrupt_on_sigterm():
+    """Makes SIGTERM (what a time limit such as ``timeout`` sends first) raise
+    KeyboardInterrupt, as Ctrl-C does, so that a run's ``finally`` still writes the rows
+    timed so far; from the main thread only."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 class Budget:
     """Wall-clock allowance of a run: once spent, no new row starts, and the rows already
     timed are still written (a device session has a hard per-command limit)."""
@@ -227,21 +236,28 @@ def context_alive(device) -> bool:
         return False
 
 
-def peak_memory_gb(fn, device):
-    """(peak GB allocated during one call of fn, peak minus what was allocated before it);
-    (None, None) off CUDA."""
+def memory_gb(fn, device) -> dict:
+    """What one call of fn allocates, in GB (1e9 bytes), from torch's allocator statistics
+    (tensors only, not the allocator's cache): ``peak_gb`` the peak allocated during the
+    call; ``extra_gb`` that peak minus what was allocated just before it, so whatever the
+    process held before the call (weights, inputs, leaves, reference outputs) is excluded;
+    ``held_gb`` what is still allocated after the call while its result is alive, minus the
+    same base (a training forward: its output and what autograd saved for the backward; a
+    step: the gradients). All None off CUDA."""
     import torch
 
     if device.type != "cuda":
-        return None, None
+        return {"peak_gb": None, "extra_gb": None, "held_gb": None}
     free_memory(device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    fn()
+    out = fn()
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) / 1e9
-    return peak, peak - base / 1e9
+    held = torch.cuda.memory_allocated(device) - base
+    del out
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"peak_gb": peak / 1e9, "extra_gb": (peak - base) / 1e9, "held_gb": held / 1e9}
 
 
 # --------------------------------------------------------------------------- environment
@@ -364,16 +380,58 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
+def _positive(ms) -> bool:
+    return ms is not None and math.isfinite(ms) and ms > 0
+
+
 def add_speedups(shape_rows):
     """Sets each row's ``speedup`` against every other row of the same shape; our variants
-    are not compared with each other."""
-    times = {r["impl"]: r["ms"] for r in shape_rows}
+    are not compared with each other, and a time that is not a positive number (a
+    difference row's, see :func:`difference_rows`) is compared with nothing."""
+    times = {r["impl"]: r["ms"] for r in shape_rows if _positive(r["ms"])}
     for r in shape_rows:
-        r["speedup"] = {
-            name: ms / r["ms"]
-            for name, ms in times.items()
-            if name != r["impl"] and not (r["kind"] == "ours" and name.startswith("ours"))
-        }
+        r["speedup"] = (
+            {
+                name: ms / r["ms"]
+                for name, ms in times.items()
+                if name != r["impl"] and not (r["kind"] == "ours" and name.startswith("ours"))
+            }
+            if _positive(r["ms"])
+            else {}
+        )
+
+
+def difference_rows(total_rows, part_rows, mode, derive=None):
+    """Rows of one shape whose time is one measured row's minus another's, per
+    implementation: e.g. the backward as (forward + backward) - (training forward), each
+    term the median of its own rounds. ``{**where, impl, kind, mode, ms, total_ms,
+    part_ms}`` plus the total row's ``rel_err`` (and ``rel_errs``, ``note``) and what
+    ``derive(row)`` returns; speedups set. A difference that is not positive (noise on a
+    tiny shape) is kept as NaN with a note, and neither derives rates nor compares."""
+    parts = {r["impl"]: r for r in part_rows}
+    measured = {"ms", "ms_rounds", "speedup", "first_call_s", "peak_gb", "extra_gb", "held_gb"}
+    rows = []
+    for total in total_rows:
+        part = parts.get(total["impl"])
+        if part is None:
+            continue
+        # the total's shape, impl and errors; not its time, memory or rates
+        drop = measured | (set(derive(total)) if derive else set())
+        row = {k: v for k, v in total.items() if k not in drop}
+        ms = total["ms"] - part["ms"]
+        row.update(mode=mode, total_ms=total["ms"], part_ms=part["ms"], ms=ms)
+        if ms > 0:
+            if derive:
+                row.update(derive(row))
+        else:
+            row["ms"] = float("nan")
+            row["note"] = (
+                f"{total['mode']} {fmt_ms(total['ms'])} ms <= {part['mode']} "
+                f"{fmt_ms(part['ms'])} ms: no difference to report"
+            )
+        rows.append(row)
+    add_speedups(rows)
+    return rows
 
 
 def geomeans(rows, large_T):
@@ -430,8 +488,8 @@ class Session:
 
     The implementations it times have ``name``, ``kind``, ``recover(failure=None,
     rel_err=None)`` (None, or a line saying which setting it changed so that one more try
-    may work) and ``row_note()`` (None or a line for their rows); benchmarks/peers.py's
-    ``Impl`` is the model."""
+    may work) and ``row_note(mode)`` (None or a line for their rows of that mode);
+    benchmarks/peers.py's ``Impl`` is the model."""
 
     def __init__(self, device, timer, budget: Budget):
         self.device = device
@@ -470,18 +528,24 @@ class Session:
             log(f"  {impl.name}: {note}")
             fn = make(impl)
             out, first = self.timer.first_call(fn)
-        err = error(out, ref) if ref is not None else None
+        errs = error(out, ref) if ref is not None else None
+        err = max_error(errs)
         note = impl.recover(rel_err=err) if recover and err is not None else None
         if note:
             log(f"  {impl.name}: {note}")
             fn = make(impl)
             out, first = self.timer.first_call(fn)
-            err = error(out, ref)
+            errs = error(out, ref)
+            err = max_error(errs)
         if impl.kind != "baseline" or ref is not None:
             out = None
+        elif hasattr(out, "detach"):
+            out = out.detach()  # the reference needs no autograd graph (a training forward's)
         row = {"first_call_s": first, "rel_err": err}
+        if isinstance(errs, dict):
+            row["rel_errs"] = errs
         if memory:
-            row["peak_gb"], row["extra_gb"] = peak_memory_gb(fn, self.device)
+            row.update(memory_gb(fn, self.device))
         row["ms"] = self.timer.median_ms(fn)
         return row, out, fn
 
@@ -499,12 +563,16 @@ class Session:
         recover=True,
     ):
         """The rows of one shape, in the order of ``impls``, speedups set: ``{**where, impl,
-        kind, mode, ms, first_call_s, rel_err}`` (and ``peak_gb``, ``extra_gb`` with
-        ``memory``, ``note`` where the impl has one, and what ``derive(row)`` returns: the
-        rates); each row is logged as it is done. ``where`` holds ``config`` and ``T``.
+        kind, mode, ms, first_call_s, rel_err}`` (and ``peak_gb``, ``extra_gb``, ``held_gb``
+        with ``memory``, see :func:`memory_gb`; ``note`` where the impl has one for this
+        mode; what ``derive(row)`` returns: the rates); each row is logged as it is done.
+        ``where`` holds ``config`` and ``T``.
 
         The baseline runs first: every later output is scored against its output with
-        ``error(out, ref)``. ``make(impl)`` returns the zero-argument callable to time; an
+        ``error(out, ref)``, a float or a dict of named errors (several outputs, e.g. the
+        gradients of a step: the row keeps the dict as ``rel_errs`` and its largest value,
+        None values left out, as ``rel_err``); the baseline's output is kept detached from
+        any autograd graph. ``make(impl)`` returns the zero-argument callable to time; an
         impl whose ``make``, first call or timing raises is skipped with the reason and
         added to ``broken`` (name: reason), which this call also reads. ``name(impl)``
         renames rows; impls sharing a name get one row, the first's. ``recover`` lets an
@@ -531,8 +599,9 @@ class Session:
                 ref = out
             del out
             row = {**where, "impl": row_name, "kind": impl.kind, "mode": mode, **row}
-            if impl.row_note():
-                row["note"] = impl.row_note()
+            note = impl.row_note(mode)
+            if note:
+                row["note"] = note
             row["ms_rounds"] = [row["ms"]]
             rows.append(row)
             timed.append((row, fn))
@@ -559,12 +628,26 @@ class Session:
         return rows
 
 
+def max_error(errs):
+    """The largest of a dict of errors (None values left out), or the float itself."""
+    if isinstance(errs, dict):
+        values = [v for v in errs.values() if v is not None]
+        return max(values) if values else None
+    return errs
+
+
 def row_line(r) -> str:
     rate = f" {r['tflops']:7.1f} TFLOP/s" if "tflops" in r else ""
-    peak = f"  peak {fmt(r['peak_gb'], '.2f', 'n/a')} GB" if "peak_gb" in r else ""
+    peak = ""
+    if "peak_gb" in r:
+        peak = (
+            f"  peak {fmt(r['peak_gb'], '.2f', 'n/a')} GB, extra {fmt(r['extra_gb'], '.2f', 'n/a')}"
+        )
+        peak += f", held {fmt(r['held_gb'], '.2f', 'n/a')}"
+    first = f"  first call {r['first_call_s']:.1f} s" if "first_call_s" in r else ""
     return (
-        f"  T={r['T']:<6} {r['impl']:<18} {r['mode']:<7} {fmt_ms(r['ms']):>9} ms{rate}"
-        f"  first call {r['first_call_s']:.1f} s  rel err {fmt(r['rel_err'], '.2e', 'n/a')}{peak}"
+        f"  T={r['T']:<6} {r['impl']:<18} {r['mode']:<9} {fmt_ms(r['ms']):>9} ms{rate}"
+        f"{first}  rel err {fmt(r['rel_err'], '.2e', 'n/a')}{peak}"
     )
 
 
@@ -756,8 +839,8 @@ def add_run_args(p, op, quick_help, warmup_ms, rep_ms, budget_s):
     p.add_argument("--no-results", action="store_true", help="write no results files")
     p.add_argument(
         "--section",
-        help="marker name (default forward / backward; "
-        "forward-quick / backward-quick with --quick)",
+        help="marker name of the run's first section, the others named NAME-SECTION "
+        "(default: the op's section names, with -quick appended under --quick)",
     )
     p.add_argument(
         "--warmup-ms",
@@ -787,9 +870,11 @@ def add_run_args(p, op, quick_help, warmup_ms, rep_ms, budget_s):
     )
 
 
-def finish_run_args(args, op, argv, script, sections, warmup_ms, rep_ms, budget_s):
+def finish_run_args(args, op, argv, script, sections, warmup_ms, rep_ms, budget_s, plain_json=True):
     """Fills in what add_run_args left open: timing defaults, ``args.sections`` (base name
-    in ``sections``: marker name), the results paths and ``args.argv``."""
+    in ``sections``: marker name), the results paths and ``args.argv``. The results JSON
+    is named after the first section's marker (``OP-NAME.json``), or ``OP.json`` when that
+    marker is its default name and ``plain_json`` (the op's main run)."""
     args.argv = list(sys.argv if argv is None else [script, *argv])
     pick = 1 if args.quick else 0
     args.warmup_ms = args.warmup_ms or warmup_ms[pick]
@@ -807,7 +892,7 @@ def finish_run_args(args, op, argv, script, sections, warmup_ms, rep_ms, budget_
     args.results = args.results or str(HERE / "RESULTS.md")
     name = args.sections[first]
     args.results_json = args.results_json or str(
-        RESULTS_DIR / (f"{op}.json" if name == first else f"{op}-{name}.json")
+        RESULTS_DIR / (f"{op}.json" if name == first and plain_json else f"{op}-{name}.json")
     )
 
 
@@ -843,16 +928,17 @@ def publish(op, args, sections, doc, bench_extra):
 # --------------------------------------------------------------------------- self-tests
 
 
-def self_test_paths(args):
+def self_test_paths(args, scratch=None):
     """Points the results files of a --self-test away from the repository's own (a toy run
     must never overwrite them), into a temporary directory holding a copy of RESULTS.md, so
     that the rewrite is checked against a file with other sections; returns (directory,
-    the results file's text before the run)."""
-    scratch = Path(tempfile.mkdtemp(prefix="self-test-"))
+    the results file's text before the run). A later run of the same self-test passes the
+    first's directory and writes into the same files."""
+    scratch = Path(scratch) if scratch else Path(tempfile.mkdtemp(prefix="self-test-"))
     real = HERE / "RESULTS.md"
     if Path(args.results).resolve() == real.resolve():
         args.results = str(scratch / "RESULTS.md")
-        if real.exists():
+        if real.exists() and not Path(args.results).exists():
             shutil.copyfile(real, args.results)
     if Path(args.results_json).resolve().parent == RESULTS_DIR.resolve():
         args.results_json = str(scratch / "results" / Path(args.results_json).name)

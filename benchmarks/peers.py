@@ -7,12 +7,21 @@ Every implementation computes, from x (T, D) bf16, w (E, 2H, D) bf16 (rows [0, H
 
 ``prepare(w, w2)`` converts weights into the implementation's layout once per config
 (outside any timed region); ``forward(state, x, ids, wts)`` returns a zero-argument
-callable whose every call is one whole forward as a user pays it; ``forward_backward(...,
-grad_out)`` likewise returns a callable that runs forward and backward and returns the
-gradients (dx, dw, dw2) in our layouts (autograd w.r.t. fresh leaf copies of x, w, w2).
+callable whose every call is one whole forward as a user pays it (no autograd, inference
+settings). Training, the step a trainer runs, goes through ``train_step(state, topk_ids)``
+(called outside any timed region, so that it may prepare index tensors from the routing):
+a function ``(x, w, w2, topk_weights) -> out`` differentiable w.r.t. x, w, w2 and, where
+``routing_grad``, topk_weights, in our layouts. From it ``forward_train(...)`` returns
+a callable running the forward with grad enabled on fresh leaf copies of x, w, w2 and
+topk_weights (all requiring grad), returning out and so keeping what autograd saved, as a
+trainer's forward does; ``forward_backward(..., grad_out)`` a callable running forward and
+backward (``torch.autograd.grad``, no accumulation into ``.grad``, as after a
+``zero_grad(set_to_none=True)``) and returning the gradients (dx, dw, dw2, dtopk_weights),
+dtopk_weights None where the implementation cannot differentiate w.r.t. routing weights.
 ``settings()`` says what it ran with (autotune, layout flags), for the raw numbers' meta;
 ``recover(failure=..., rel_err=...)`` may change a setting after a failed or wrong first call
-and say which (the harness then tries once more); ``row_note()`` is a line for its rows.
+and say which (the harness then tries once more); ``row_note(mode)`` is a line for its rows
+of that mode ("fwd", "fwd-train" or "fwd+bwd").
 ``Skip`` (harness.Skip) carries the one-line reason an implementation cannot run.
 
 Peers (wheels from scripts/fetch-peer-wheels, installed into PYTHONPATH):
@@ -21,7 +30,9 @@ Peers (wheels from scripts/fetch-peer-wheels, installed into PYTHONPATH):
   gate_up_proj (E, 2I, D), down_proj (E, D, I), top_k_index int32 (T, k), top_k_weights
   (T, k))``: Triton; our layout exactly (gate rows first), so no conversion. Its kernels
   autotune (32 configs, keyed on D and I) unless ``LIGER_FUSED_MOE_AUTOTUNE=0`` is set
-  before the import; the benchmark sets it unless asked to tune peers.
+  before the import; the benchmark sets it unless asked to tune peers. Its backward returns
+  the gradient of top_k_weights too, computed in dO's dtype (bf16: ``dS``, Triton
+  atomic_add across the N tiles into a bf16 buffer), which autograd casts to fp32.
 - SonicMoE 0.1.2.post1, ``sonicmoe.moe_general_routing_inputs(x, router_scores (TK,)
   fp32, token_indices (TK,) int32 sorted, expert_indices (TK,) int32, w1 (2I, D, E), b1,
   w2 (D, I, E), b2, E, stream_id, ActivationType.SWIGLU, is_inference_mode_enabled,
@@ -29,7 +40,11 @@ Peers (wheels from scripts/fetch-peer-wheels, installed into PYTHONPATH):
   (1, 2, 0) (views, no copy); ``concat_layout=True`` means gate rows then up rows, as ours;
   without it SonicMoE expects gate/up rows interleaved. Its GEMMs are QuACK's CuTe-DSL
   grouped GEMMs, autotuned per shape unless we pass ``tuned=False`` (the benchmark does,
-  unless asked to tune peers).
+  unless asked to tune peers). Training mode is ``is_inference_mode_enabled=False`` (the
+  up projection then keeps its pre-activations for the backward); router_scores are
+  differentiable there: ``_DownProjection.backward`` returns ``ds`` (TK,) fp32 for them,
+  scattered back to the input's order. Our router_scores are topk_weights' (T, k) leaf
+  viewed flat (token-major, as token_indices), so its gradient is dtopk_weights.
 - vLLM's Triton fused_moe: not timed (``VLLM_REASON`` says why).
 """
 
@@ -84,28 +99,59 @@ class Impl:
     name = "?"
     kind = "peer"  # "ours", "baseline" or "peer"
     note = ""
+    # whether train_step is differentiable w.r.t. topk_weights, and how (for settings)
+    routing_grad = True
+    routing_grad_note = "fp32"
 
     def prepare(self, w, w2):
         return (w, w2)
 
     def settings(self) -> dict:
-        return {}
+        return {"dtopk_weights": self.routing_grad_note if self.routing_grad else None}
 
     def recover(self, failure=None, rel_err=None) -> str | None:
         return None
 
-    def row_note(self) -> str | None:
+    def row_note(self, mode) -> str | None:
+        if mode != "fwd" and not self.routing_grad:
+            return "no gradient w.r.t. topk_weights (routing weights held constant)"
         return None
 
     def forward(self, state, x, topk_ids, topk_weights):
         raise NotImplementedError
 
-    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
+    def train_step(self, state, topk_ids):
+        """``(x, w, w2, topk_weights) -> out`` with autograd, for this routing (Skip if
+        none)."""
         raise Skip(f"{self.name} has no backward here")
 
+    def forward_train(self, state, x, w, w2, topk_ids, topk_weights):
+        step = self.train_step(state, topk_ids)
+        leaves = _leaves(x, w, w2, topk_weights, self.routing_grad)
+        return lambda: step(*leaves)
 
-def _leaves(x, w, w2):
-    return tuple(t.detach().clone().requires_grad_(True) for t in (x, w, w2))
+    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
+        import torch
+
+        step = self.train_step(state, topk_ids)
+        leaves = _leaves(x, w, w2, topk_weights, self.routing_grad)
+        wanted = [t for t in leaves if t.requires_grad]
+
+        def fn():
+            out = step(*leaves)
+            grads = iter(torch.autograd.grad(out, wanted, grad_out))
+            return tuple(next(grads) if t.requires_grad else None for t in leaves)
+
+        return fn
+
+
+def _leaves(x, w, w2, topk_weights, routing_grad=True):
+    """Fresh leaf copies of x, w, w2 and topk_weights, made outside any timed region; all
+    require grad, topk_weights only with ``routing_grad``."""
+    return tuple(
+        t.detach().clone().requires_grad_(grad)
+        for t, grad in ((x, True), (w, True), (w2, True), (topk_weights, routing_grad))
+    )
 
 
 class GroupedMM(Impl):
@@ -131,17 +177,9 @@ class GroupedMM(Impl):
 
         return fn
 
-    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
-        import torch
-
-        leaves = _leaves(x, w, w2)
+    def train_step(self, state, topk_ids):
         ref = self.reference.moe_grouped_mm
-
-        def fn():
-            out = ref(*leaves, topk_ids, topk_weights)
-            return torch.autograd.grad(out, leaves, grad_out)
-
-        return fn
+        return lambda x, w, w2, topk_weights: ref(x, w, w2, topk_ids, topk_weights)
 
 
 class Ours(Impl):
@@ -155,7 +193,13 @@ class Ours(Impl):
         self.name = f"ours split={split}"
 
     def settings(self):
-        return {"split": self.split, "block_m": self.fm.BLOCK_M}
+        return {
+            **super().settings(),
+            "split": self.split,
+            "block_m": self.fm.BLOCK_M,
+            "training": "flash_moe.moe (one row: the split forward, keeping the gate/up "
+            "pre-activations, and flash_moe's backward kernels)",
+        }
 
     def prepare(self, w, w2):
         reason_fn = getattr(self.fm, "unsupported_shape_reason", None)
@@ -190,23 +234,18 @@ class Ours(Impl):
 
         return fn
 
-    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
-        import torch
-
+    def train_step(self, state, topk_ids):
+        """flash_moe.moe: moe_align, the split forward keeping the gate/up pre-activations,
+        and flash_moe's backward kernels (bf16; moe() has no split choice)."""
         moe = getattr(self.fm, "moe", None)
         if moe is None:
             raise Skip("prime_kernels.flash_moe has no moe() (autograd function) yet")
-        leaves = _leaves(x, w, w2)
-
-        def fn():
-            out = moe(*leaves, topk_ids, topk_weights)
-            return torch.autograd.grad(out, leaves, grad_out)
-
-        return fn
+        return lambda x, w, w2, topk_weights: moe(x, w, w2, topk_ids, topk_weights)
 
 
 class Liger(Impl):
     name = "liger"
+    routing_grad_note = "bf16 (atomic_add into a bf16 buffer), cast to fp32 by autograd"
 
     def __init__(self):
         try:
@@ -223,7 +262,7 @@ class Liger(Impl):
         )
 
     def settings(self):
-        return {"autotune": self.tuned}
+        return {**super().settings(), "autotune": self.tuned}
 
     def forward(self, state, x, topk_ids, topk_weights):
         import torch
@@ -237,17 +276,9 @@ class Liger(Impl):
 
         return fn
 
-    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
-        import torch
-
-        leaves = _leaves(x, w, w2)
+    def train_step(self, state, topk_ids):
         apply = self.fn.apply
-
-        def fn():
-            out = apply(*leaves, topk_ids, topk_weights)
-            return torch.autograd.grad(out, leaves, grad_out)
-
-        return fn
+        return lambda x, w, w2, topk_weights: apply(x, w, w2, topk_ids, topk_weights)
 
 
 def _interleave_gate_up(w):
@@ -300,7 +331,9 @@ class Sonic(Impl):
 
     def settings(self):
         return {
+            **super().settings(),
             "autotune": self.tuned,
+            "training": "is_inference_mode_enabled=False, router_scores a leaf's flat view",
             "concat_layout": self.concat,
             "is_inference_mode_enabled": self.inference,
         }
@@ -319,8 +352,9 @@ class Sonic(Impl):
             )
         return None
 
-    def row_note(self):
-        return f"concat_layout={self.concat}, is_inference_mode_enabled={self.inference}"
+    def row_note(self, mode):
+        inference = self.inference if mode == "fwd" else False
+        return f"concat_layout={self.concat}, is_inference_mode_enabled={inference}"
 
     def prepare(self, w, w2):
         return {"w": w, "w2": w2.permute(1, 2, 0)}  # w2 (D, H, E) view
@@ -334,16 +368,19 @@ class Sonic(Impl):
             state[key] = (w if self.concat else _interleave_gate_up(w)).permute(1, 2, 0)
         return state[key]
 
-    def _routing(self, x, topk_ids, topk_weights):
+    def _index(self, topk_ids):
+        """token_indices (sorted, token-major) and expert_indices, int32 (TK,)."""
         import torch
 
         T, k = topk_ids.shape
-        token = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(k)
-        return (
-            topk_weights.reshape(-1).to(torch.float32).contiguous(),
-            token,
-            topk_ids.reshape(-1).to(torch.int32).contiguous(),
-        )
+        token = torch.arange(T, device=topk_ids.device, dtype=torch.int32).repeat_interleave(k)
+        return token, topk_ids.reshape(-1).to(torch.int32).contiguous()
+
+    def _routing(self, x, topk_ids, topk_weights):
+        import torch
+
+        token, expert = self._index(topk_ids)
+        return topk_weights.reshape(-1).to(torch.float32).contiguous(), token, expert
 
     def _call(self, x, scores, token, expert, w1, w2, inference):
         import torch
@@ -380,18 +417,19 @@ class Sonic(Impl):
 
         return fn
 
-    def forward_backward(self, state, x, w, w2, topk_ids, topk_weights, grad_out):
-        import torch
-
+    def train_step(self, state, topk_ids):
+        """SonicMoE in training mode (is_inference_mode_enabled=False) on our layouts: w1 and
+        w2 the leaves' permuted views, router_scores topk_weights' leaf viewed flat (fp32,
+        token-major as token_indices), so autograd returns dtopk_weights (T, k) from its ds.
+        token_indices and expert_indices are made here, outside the timing, as forward()
+        makes them."""
         if not self.concat:
-            raise Skip("sonicmoe backward is only set up for concat_layout=True")
-        leaves = _leaves(x, w, w2)
-        scores, token, expert = self._routing(x, topk_ids, topk_weights)
+            raise Skip("sonicmoe training is only set up for concat_layout=True")
+        token, expert = self._index(topk_ids)
         call = self._call
 
-        def fn():
-            lx, lw, lw2 = leaves
-            out = call(lx, scores, token, expert, lw.permute(1, 2, 0), lw2.permute(1, 2, 0), False)
-            return torch.autograd.grad(out, leaves, grad_out)
+        def step(x, w, w2, topk_weights):
+            scores = topk_weights.view(-1)
+            return call(x, scores, token, expert, w.permute(1, 2, 0), w2.permute(1, 2, 0), False)
 
-        return fn
+        return step
