@@ -142,16 +142,27 @@ struct SwiGluBackward {
       const __nv_bfloat16* z = p.z + row * (2 * size_t(H));
       __nv_bfloat16* dz = p.out + row * (2 * size_t(H));
       __nv_bfloat16* y1s = p.y1s + row * size_t(H);
+      // The row's g and u first, every load in flight at once: a store between two loads
+      // (the compiler cannot tell z from dz) would serialize one round trip per column pair.
+      __nv_bfloat162 g2[kCols / 8], u2[kCols / 8];
+#pragma unroll
+      for (int j = 0; j < kCols / 8; ++j) {
+        const int col = col0 + wgmma_acc_col(j);
+        const bool live = pair >= 0 && col < H;  // col >= H: partial last n tile
+        g2[j] = live ? *reinterpret_cast<const __nv_bfloat162*>(z + col)
+                     : __floats2bfloat162_rn(0.f, 0.f);
+        u2[j] = live ? *reinterpret_cast<const __nv_bfloat162*>(z + H + col)
+                     : __floats2bfloat162_rn(0.f, 0.f);
+      }
       float ds = 0.f;
 #pragma unroll
       for (int j = 0; j < kCols / 8; ++j) {
         const int col = col0 + wgmma_acc_col(j);
-        if (col >= H) continue;  // partial last n tile (H % block_n != 0)
+        if (col >= H) continue;
         __nv_bfloat162 dg2, du2, y2;
         if (pair >= 0) {
-          const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(z + col));
-          const float2 u =
-              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(z + H + col));
+          const float2 g = __bfloat1622float2(g2[j]);
+          const float2 u = __bfloat1622float2(u2[j]);
           const float d0 = wgmma_acc_at(acc, 4 * j + 2 * i);
           const float d1 = wgmma_acc_at(acc, 4 * j + 2 * i + 1);
           const float sig0 = 1.0f / (1.0f + __expf(-g.x));

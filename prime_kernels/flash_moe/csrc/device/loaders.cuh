@@ -35,6 +35,7 @@ namespace prime_moe {
 // What every TMA loader shares: one thread, completion counted in bytes, async-proxy writes.
 struct TmaLoader {
   static constexpr int kThreads = 1;
+  static constexpr int kProducerRegs = 40;
   static constexpr uint32_t kFullArrivals = 0;
   static constexpr bool kGenericProxyWrites = false;
   __device__ __forceinline__ explicit TmaLoader(int /*tid*/) {}
@@ -109,6 +110,7 @@ struct GatherTokenRows {
   static constexpr uint32_t kTmaBytes = 0;
   static constexpr bool kGenericProxyWrites = true;
   static constexpr int kRowsPerThread = Tile::kBlockM / 16;
+  static constexpr int kProducerRegs = 40;
 
   const int chunk, pass_row;
   // Hand-applied 128B swizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8).
@@ -125,16 +127,19 @@ struct GatherTokenRows {
 
   __device__ __forceinline__ void start_tile(const MoeGemmParams& p, int npp,
                                              const MoeWorkTile& w) {
+    // All row ids first: a store between two loads (pair_to_row) would serialize them.
+    int pair[kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i)
+      pair[i] = routed_pair(p, npp, w.row0 + pass_row + 16 * i);
     valid_mask = 0;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int row = w.row0 + pass_row + 16 * i;
-      const int pair = routed_pair(p, npp, row);
-      const uint32_t token = pair >= 0 ? uint32_t(pair / p.top_k) : 0u;
+      const uint32_t token = pair[i] >= 0 ? uint32_t(pair[i] / p.top_k) : 0u;
       src_chunk[i] = token * uint32_t(p.ld_x / 8) + chunk;
-      valid_mask |= uint32_t(pair >= 0) << i;
-      if (p.pair_to_row != nullptr && w.n0 == 0 && chunk == 0 && pair >= 0)
-        p.pair_to_row[pair] = row;
+      valid_mask |= uint32_t(pair[i] >= 0) << i;
+      if (p.pair_to_row != nullptr && w.n0 == 0 && chunk == 0 && pair[i] >= 0)
+        p.pair_to_row[pair[i]] = w.row0 + pass_row + 16 * i;
     }
   }
 
@@ -201,6 +206,8 @@ struct GatherRowsAlongK {
   static constexpr int kPiecesPerRow = kCols / 8;
   static constexpr int kRowsPerPass = kThreads / kPiecesPerRow;
   static constexpr int kPasses = Tile::kBlockK / kRowsPerPass;
+  // The next stage's source offsets stay in registers (one per pass): 16 passes spill at 40.
+  static constexpr int kProducerRegs = kPasses > 8 ? 56 : 40;
   static_assert(kCols % 64 == 0 && kThreads % kPiecesPerRow == 0 && kPasses >= 1,
                 "a pass covers whole rows of whole 64-column chunks");
 
@@ -208,6 +215,9 @@ struct GatherRowsAlongK {
   int k_row0 = 0, npp = 0;
   bool column_valid = false;
   uint32_t column_chunk = 0;  // 16-byte-chunk offset of the piece inside a token row
+  // The stage to issue next: each pass's source, as 16-byte-chunk offsets, and validity.
+  uint32_t src_chunk[kPasses];
+  uint32_t valid_mask = 0;
 
   __device__ __forceinline__ explicit GatherRowsAlongK(int tid)
       : piece(tid % kPiecesPerRow), pass_row(tid / kPiecesPerRow) {}
@@ -219,23 +229,40 @@ struct GatherRowsAlongK {
     const int column = first_column<kSide>(w) + 8 * piece;
     column_valid = column < p.ld_x;
     column_chunk = uint32_t(column / 8);
+    fetch(p, 0);
+  }
+
+  // The row ids of stage kb, all loads first: a cp.async (asm with a memory clobber) between
+  // them would serialize one L2 round trip per row. Issued a stage ahead, so their latency
+  // passes while the producer waits for a free stage.
+  __device__ __forceinline__ void fetch(const MoeGemmParams& p, int kb) {
+    int pair[kPasses];
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i)
+      pair[i] = routed_pair(p, npp, k_row0 + kb * Tile::kBlockK + pass_row + kRowsPerPass * i);
+    valid_mask = 0;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const bool valid = column_valid && pair[i] >= 0;
+      src_chunk[i] =
+          (valid ? uint32_t(pair[i] / p.top_k) : 0u) * uint32_t(p.ld_x / 8) + column_chunk;
+      valid_mask |= uint32_t(valid) << i;
+    }
   }
 
   __device__ __forceinline__ void load(const MoeGemmParams& p, const CUtensorMap* /*map*/,
-                                       uint8_t* smem, uint64_t* full, int kb) const {
+                                       uint8_t* smem, uint64_t* full, int kb) {
     using namespace prime_kernels;
     const uint32_t base = smem_addr(smem) + (piece / 8) * SmemMNMajor::kChunkBytes;
     const uint4* src = reinterpret_cast<const uint4*>(p.x);
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = pass_row + kRowsPerPass * i;
-      const int pair = routed_pair(p, npp, k_row0 + kb * Tile::kBlockK + r);
-      const bool valid = column_valid && pair >= 0;
-      const uint32_t token = valid ? uint32_t(pair / p.top_k) : 0u;
       const uint32_t dst = base + r * 128 + (((piece % 8) ^ (r % 8)) << 4);
-      cp_async_16_zfill(dst, src + token * uint32_t(p.ld_x / 8) + column_chunk, valid);
+      cp_async_16_zfill(dst, src + src_chunk[i], (valid_mask >> i) & 1);
     }
     cp_async_mbarrier_arrive_noinc(full);
+    fetch(p, kb + 1);  // past the segment: rows of the next expert or padding, never read
   }
 };
 

@@ -43,13 +43,22 @@ struct MoeGemm {
   static constexpr int kThreads = 128 * (1 + Consumers::kWarpgroups);
   static constexpr int kProducerThreads =
       ALoad::kThreads > BLoad::kThreads ? ALoad::kThreads : BLoad::kThreads;
-  // A stage is full after thread 0's expect_tx arrival, the loaders' arrivals and every TMA
-  // byte; it is empty again once every consumer thread released it.
+  // Register split (sm_90a setmaxnreg, multiples of 8). The CTA launches with 168 registers
+  // a thread (__launch_bounds__(384, 1)) and can only move those 384 x 168 between its
+  // warpgroups: 128 * (producer + 2 * consumer) <= 64512, or setmaxnreg.inc waits forever.
+  // The loaders say what the producer needs (40; more where a gather keeps a stage's
+  // offsets ahead), the consumers get the rest: 224 to 232 registers, room for their 128
+  // fp32 accumulators (two 64x128 or one 64x256 tile) and the epilogue.
+  static constexpr int kProducerRegs =
+      ALoad::kProducerRegs > BLoad::kProducerRegs ? ALoad::kProducerRegs : BLoad::kProducerRegs;
+  static constexpr int kConsumerRegs = ((kThreads / 128 * 168 - kProducerRegs) / 2) / 8 * 8;
   static constexpr uint32_t kFullArrivals = 1 + ALoad::kFullArrivals + BLoad::kFullArrivals;
   static constexpr uint32_t kStageTmaBytes = ALoad::kTmaBytes + BLoad::kTmaBytes;
   static constexpr uint32_t kEmptyArrivals = 128 * Consumers::kWarpgroups;
 
   static_assert(Epilogue::kNumB == Tile::kNumB, "the epilogue reads the stage's weight tiles");
+  static_assert(kConsumerRegs >= 224, "the consumers keep their accumulators in registers");
+  static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * 168, "setmaxnreg moves, never adds");
   static_assert(kProducerThreads >= 1 && kProducerThreads <= 128,
                 "the loaders run in the producer warpgroup, thread 0 included");
   static_assert(ALoad::kTmaBytes <= Tile::kABytes && BLoad::kTmaBytes <= Tile::kBBytes,
@@ -95,7 +104,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   MoeWorkTile w;
 
   if (warpgroup == 0) {
-    setmaxnreg_dec<Consumers::kProducerRegs>();
+    setmaxnreg_dec<Kernel::kProducerRegs>();
     if (tid >= Kernel::kProducerThreads) return;
     ALoad a_load(tid);
     BLoad b_load(tid);
@@ -115,7 +124,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       }
     }
   } else {
-    setmaxnreg_inc<Consumers::kConsumerRegs>();
+    setmaxnreg_inc<Kernel::kConsumerRegs>();
     const int consumer = warpgroup - 1;
     const int m_offset = Consumers::m_offset(consumer);
     const int n_offset = Consumers::n_offset(consumer);

@@ -53,10 +53,6 @@ struct CooperativeConsumers {
   static constexpr int kNumMma = kFuseB ? 1 : Tile::kNumB;
   static constexpr int kMmaN = kFuseB ? Tile::kNumB * Tile::kBlockN : kWgCols;
   using Mma = prime_kernels::WgmmaBf16<kMmaN, ALayout::kTrans, BLayout::kTrans>;
-  // Register split (sm_90a setmaxnreg): 128 * (40 + 2 * 232) = 64512 <= 65536. Each
-  // consumer holds up to 128 fp32 accumulators (two 64x128 or one 64x256 tile).
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
 
   static_assert(kWgM * kWgN == kWarpgroups, "the warpgroups cover the tile once");
   static_assert(kMmaN == 32 || kMmaN == 64 || kMmaN == 128 || kMmaN == 256,
