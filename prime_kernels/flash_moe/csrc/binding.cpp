@@ -11,6 +11,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdlib>
+#include <functional>
 #include <initializer_list>
 #include <string>
 #include <tuple>
@@ -42,7 +43,7 @@ void check_block_m_bpc(const char* op, int64_t block_m, int64_t bpc) {
 std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_experts, int64_t block_m,
                                              int64_t bpc) {
   constexpr const char* op = "moe_align";
-  const std::initializer_list<TensorArg> tensors = {{"topk_ids", topk_ids, ScalarType::Int, 2}};
+  const std::vector<TensorArg> tensors = {{"topk_ids", topk_ids, ScalarType::Int, 2}};
   check_tensors(op, tensors);
   if (num_experts < 1 || num_experts > kMaxExperts) {
     fail(op, "num_experts=", num_experts, " must be in [1, ", kMaxExperts, "]");
@@ -82,17 +83,17 @@ std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_expert
   return {sorted_token_ids, expert_ids, num_tokens_post_padded};
 }
 
-// The forward's tensors, checked in the order the messages promise (what each tensor is,
-// then the shapes, then where), as the launcher's problem. With check_device false the
-// caller checks more shapes first and then the devices of all its tensors.
-FusedMoeBf16Problem forward_problem(const char* op, const Tensor& x, const Tensor& w,
-                                    const Tensor& w2, const Tensor& sorted_token_ids,
-                                    const Tensor& expert_ids, const Tensor& num_tokens_post_padded,
-                                    const Tensor& topk_weights, const Tensor* out,
-                                    const char* out_name, int64_t top_k, int64_t block_m,
-                                    int64_t bpc, bool check_device = true) {
+// The forward's tensors (and `kept`, the backward's extra ones), checked in the order the
+// messages promise: what each tensor is, then the shapes (check_kept_shapes for `kept`, given
+// the problem), then where. Returns the launcher's problem.
+FusedMoeBf16Problem forward_problem(
+    const char* op, const Tensor& x, const Tensor& w, const Tensor& w2,
+    const Tensor& sorted_token_ids, const Tensor& expert_ids, const Tensor& num_tokens_post_padded,
+    const Tensor& topk_weights, const Tensor* out, const char* out_name, int64_t top_k,
+    int64_t block_m, int64_t bpc, const std::vector<TensorArg>& kept = {},
+    const std::function<void(const FusedMoeBf16Problem&)>& check_kept_shapes = nullptr) {
   const Tensor& out_or_x = out != nullptr ? *out : x;
-  const std::initializer_list<TensorArg> tensors = {
+  std::vector<TensorArg> tensors = {
       {"x", x, ScalarType::BFloat16, 2},
       {"w", w, ScalarType::BFloat16, 3},
       {"w2", w2, ScalarType::BFloat16, 3},
@@ -101,6 +102,7 @@ FusedMoeBf16Problem forward_problem(const char* op, const Tensor& x, const Tenso
       {"num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, 1},
       {"topk_weights", topk_weights, ScalarType::Float, 2},
       {out != nullptr ? out_name : "x", out_or_x, ScalarType::BFloat16, 2}};
+  for (const TensorArg& arg : kept) tensors.push_back(arg);
   check_tensors(op, tensors);
 
   const int64_t T = x.size(0), D = x.size(1);
@@ -135,8 +137,6 @@ FusedMoeBf16Problem forward_problem(const char* op, const Tensor& x, const Tenso
          max_padded / block_m, ", got ", expert_ids.size(0),
          "; pass moe_align's output for the same block_m");
   }
-  const int32_t device = check_device ? check_devices(op, tensors) : -1;
-
   FusedMoeBf16Problem problem{};
   problem.x = static_cast<const __nv_bfloat16*>(x.const_data_ptr());
   problem.w = static_cast<const __nv_bfloat16*>(w.const_data_ptr());
@@ -153,7 +153,8 @@ FusedMoeBf16Problem forward_problem(const char* op, const Tensor& x, const Tenso
   problem.top_k = top_k;
   problem.max_padded = max_padded;
   problem.block_m = block_m;
-  problem.device = device;
+  if (check_kept_shapes) check_kept_shapes(problem);
+  problem.device = check_devices(op, tensors);
   return problem;
 }
 
@@ -234,29 +235,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
     Tensor num_tokens_post_padded, Tensor topk_weights, Tensor z, Tensor pair_to_row, int64_t top_k,
     bool need_dx, bool need_dw, bool need_dw2, bool need_dtopk_weights) {
   constexpr const char* op = "moe_backward";
-  const std::initializer_list<TensorArg> kept = {{"z", z, ScalarType::BFloat16, 2},
-                                                 {"pair_to_row", pair_to_row, ScalarType::Int, 1}};
-  check_tensors(op, kept);
-  FusedMoeBf16Problem fwd =
-      forward_problem(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                      topk_weights, &grad_out, "grad_out", top_k, kBlockM, 1,
-                      /*check_device=*/false);
+  const FusedMoeBf16Problem fwd = forward_problem(
+      op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, &grad_out,
+      "grad_out", top_k, kBlockM, 1,
+      {{"z", z, ScalarType::BFloat16, 2}, {"pair_to_row", pair_to_row, ScalarType::Int, 1}},
+      [&](const FusedMoeBf16Problem& pr) {
+        check_shape(op, "z", z, {pr.max_padded, 2 * pr.hidden_dim},
+                    "(len(sorted_token_ids), 2 * hidden_dim), as moe_forward returned it");
+        check_shape(op, "pair_to_row", pair_to_row, {pr.num_tokens * top_k},
+                    "(T * top_k,), as moe_forward returned it");
+      });
   const int64_t T = fwd.num_tokens, D = fwd.dim, H = fwd.hidden_dim, E = fwd.num_experts;
-  check_shape(op, "z", z, {fwd.max_padded, 2 * H},
-              "(len(sorted_token_ids), 2 * hidden_dim), as moe_forward returned it");
-  check_shape(op, "pair_to_row", pair_to_row, {T * top_k},
-              "(T * top_k,), as moe_forward returned it");
-  fwd.device =
-      check_devices(op, {{"x", x, ScalarType::BFloat16, 2},
-                         {"w", w, ScalarType::BFloat16, 3},
-                         {"w2", w2, ScalarType::BFloat16, 3},
-                         {"sorted_token_ids", sorted_token_ids, ScalarType::Int, 1},
-                         {"expert_ids", expert_ids, ScalarType::Int, 1},
-                         {"num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, 1},
-                         {"topk_weights", topk_weights, ScalarType::Float, 2},
-                         {"grad_out", grad_out, ScalarType::BFloat16, 2},
-                         {"z", z, ScalarType::BFloat16, 2},
-                         {"pair_to_row", pair_to_row, ScalarType::Int, 1}});
 
   torch::stable::accelerator::DeviceGuard guard(fwd.device);
   auto grad = [](bool need, std::vector<int64_t> shape, const Tensor& like) {

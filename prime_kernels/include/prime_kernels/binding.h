@@ -8,7 +8,6 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/tensor.h>
 
-#include <initializer_list>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -73,7 +72,7 @@ struct TensorArg {
 // What a tensor is, before where it is: dtypes of all arguments first, then rank and
 // contiguity, so a call with CPU tensors still learns every mistake in its shapes (and the
 // checks can be exercised without a GPU). check_devices comes after the shape checks.
-inline void check_tensors(const char* op, std::initializer_list<TensorArg> args) {
+inline void check_tensors(const char* op, const std::vector<TensorArg>& args) {
   for (const TensorArg& arg : args) {
     if (arg.tensor.scalar_type() != arg.dtype) {
       fail(op, "argument '", arg.name, "' must be a ", dtype_name(arg.dtype), " tensor, got ",
@@ -93,7 +92,7 @@ inline void check_tensors(const char* op, std::initializer_list<TensorArg> args)
 }
 
 // Every tensor on the CUDA device of the first one; returns that device's index.
-inline int32_t check_devices(const char* op, std::initializer_list<TensorArg> args) {
+inline int32_t check_devices(const char* op, const std::vector<TensorArg>& args) {
   const TensorArg& first = *args.begin();
   for (const TensorArg& arg : args) {
     if (!arg.tensor.is_cuda()) {
