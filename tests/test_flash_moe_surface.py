@@ -97,3 +97,67 @@ def test_num_sms_setting():
     finally:
         flash_moe.set_num_sms(0)
     assert flash_moe.get_num_sms() == 0
+
+
+def _training_inputs(T, D, H, E, k, needs, device):
+    x = torch.empty(T, D, dtype=torch.bfloat16, device=device)
+    w = torch.empty(E, 2 * H, D, dtype=torch.bfloat16, device=device)
+    w2 = torch.empty(E, D, H, dtype=torch.bfloat16, device=device)
+    tw = torch.empty(T, k, dtype=torch.float32, device=device)
+    leaves = [t.requires_grad_(n) for t, n in zip((x, w, w2, tw), needs)]
+    ids = torch.empty(T, k, dtype=torch.int32, device=device)
+    return leaves, ids
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "needs",
+    [
+        (True, True, True, True),
+        (True, False, False, False),
+        (False, True, True, False),
+        (False, False, False, True),
+        (True, False, True, True),
+    ],
+)
+def test_moe_autograd_wiring_on_meta_tensors(needs):
+    """moe's registered autograd on any machine (meta tensors run the fakes; the autograd
+    engine needs a GPU for fake CUDA tensors): every input that requires grad gets a
+    gradient of its shape and dtype, a frozen one gets None."""
+    T, D, H, E, k = 7, 256, 128, 4, 2
+    leaves, ids = _training_inputs(T, D, H, E, k, needs, "meta")
+    out = flash_moe.moe(*leaves[:3], ids, leaves[3])
+    assert out.shape == (T, D) and out.dtype == torch.bfloat16
+    out.backward(torch.empty_like(out))
+    for leaf, need in zip(leaves, needs):
+        if need:
+            assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype
+        else:
+            assert leaf.grad is None
+
+
+@needs_extension
+def test_moe_compiles_once_for_every_token_count():
+    """torch.compile(fullgraph=True, dynamic=True) of forward and backward through moe's
+    fakes and registered autograd: one graph for three token counts (meta tensors, so this
+    runs without a GPU; test_moe_training.py runs the kernels)."""
+    from torch._dynamo.utils import counters
+
+    def loss(x, w, w2, ids, tw):
+        return flash_moe.moe(x, w, w2, ids, tw).float().sum()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True, backend="aot_eager")
+    for T in (64, 200, 333):
+        leaves, ids = _training_inputs(T, 256, 128, 4, 2, (True,) * 4, "meta")
+        compiled(*leaves[:3], ids, leaves[3]).backward()
+        assert [t.grad.shape for t in leaves] == [t.shape for t in leaves]
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@needs_extension
+def test_moe_mxfp8_names_the_missing_op():
+    leaves, ids = _training_inputs(4, 256, 128, 4, 2, (False,) * 4, "meta")
+    with pytest.raises(NotImplementedError, match="fused_moe_mxfp8"):
+        flash_moe.moe(*leaves[:3], ids, leaves[3], mxfp8=True)
