@@ -1,7 +1,7 @@
-"""A/B of two builds of prime_kernels' flash_moe forward, each measured in its own processes.
+"""A/B of two builds of prime_kernels' flash_moe, each measured in its own processes.
 
     python benchmarks/ab.py --a PATH_A --b PATH_B [--rounds 3] [--configs qwen3,...]
-                            [--tokens 64,1024,...] [--splits true,false]
+                            [--tokens 64,1024,...] [--splits true,false] [--mode fwd|train]
 
 PATH_A and PATH_B are source trees of prime_kernels, each built in place (e.g. /work/main
 and a copy of an older commit under scratch/). Both register torch.ops.prime_moe, which a
@@ -13,10 +13,12 @@ on both builds alike.
 A child creates each config's weights once, and every input, from --seed (the same data for
 A and B: each child records an exact fingerprint of its inputs, and the parent compares
 them), then times ours as benchmarks/flash_moe.py's "ours" does (moe_align +
-fused_moe_bf16; split=False includes zeroing out) with harness.Timer: CUDA events, median,
-after warm-up, with a buffer larger than L2 zeroed before every call, so that inputs come
-from HBM. In its first round each build's outputs are checked against reference.py's
-grouped-mm path (relative error).
+fused_moe_bf16; split=False includes zeroing out; with --mode train, the training step
+flash_moe.moe forward plus the backward of x, w, w2 and topk_weights) with harness.Timer:
+CUDA events, median, after warm-up, with a buffer larger than L2 zeroed before every call,
+so that inputs come from HBM. In its first round each build's outputs (the largest of the
+four gradients' errors, in train mode) are checked against reference.py's grouped-mm path
+(relative error).
 
 Prints config | T | split | A ms | B ms (medians over rounds) | A/B of each round | their
 median (above 1: B is faster) | both rel errs, then the geometric mean of the median
@@ -83,6 +85,12 @@ def parse_args(argv=None):
         default=list(SPLITS),
         help="comma list of true/false (default true,false)",
     )
+    p.add_argument(
+        "--mode",
+        choices=("fwd", "train"),
+        default="fwd",
+        help="fwd: the forward op; train: moe() forward + backward (one row per shape)",
+    )
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warmup (default 25)")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench rep (default 100)")
     p.add_argument("--seed", type=int, default=0)
@@ -111,6 +119,8 @@ def parse_args(argv=None):
             p.error("--a and --b are required (or --self-test)")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.mode == "train":
+        args.splits = [True]  # moe() runs the split forward; no split choice
     return args
 
 
@@ -196,9 +206,18 @@ def time_config(args, doc, cfg, config, impls, timer, reference, device):
             states[split] = impl.prepare(w, w2)
         except harness.Skip as exc:
             states[split] = exc
+    train = args.mode == "train"
     for T in args.tokens_list:
         x, ids, wts = flash_moe.make_inputs(T, D, E, k, gen, device)
-        ref = reference.moe_grouped_mm(x, w, w2, ids, wts) if args.check else None
+        grad_out = None
+        if train:
+            grad_out = (0.1 * torch.randn(x.shape, generator=gen, device=device)).to(x.dtype)
+        if not args.check:
+            ref = None
+        elif train:
+            ref = peers.GroupedMM().forward_backward((w, w2), x, w, w2, ids, wts, grad_out)()
+        else:
+            ref = reference.moe_grouped_mm(x, w, w2, ids, wts)
         common = dict(
             config=cfg,
             label=label,
@@ -207,7 +226,7 @@ def time_config(args, doc, cfg, config, impls, timer, reference, device):
             E=E,
             k=k,
             T=T,
-            inputs=weights + fingerprint(x, ids, wts),
+            inputs=weights + fingerprint(x, ids, wts, *([grad_out] if train else [])),
             input_bytes=sum(t.numel() * t.element_size() for t in (x, w, w2, ids, wts)),
         )
         for split, impl in impls.items():
@@ -215,9 +234,18 @@ def time_config(args, doc, cfg, config, impls, timer, reference, device):
             try:
                 if isinstance(states[split], Exception):
                     raise states[split]
-                fn = impl.forward(states[split], x, ids, wts)
+                if train:
+                    fn = impl.forward_backward(states[split], x, w, w2, ids, wts, grad_out)
+                else:
+                    fn = impl.forward(states[split], x, ids, wts)
                 out, entry["first_call_s"] = timer.first_call(fn)
-                if ref is not None:
+                if ref is not None and train:
+                    entry["rel_err"] = max(
+                        reference.relative_error(g, r)
+                        for g, r in zip(out, ref)
+                        if g is not None and r is not None
+                    )
+                elif ref is not None:
                     entry["rel_err"] = reference.relative_error(out, ref)
                 del out
                 entry["ms"] = timer.median_ms(fn)
@@ -233,7 +261,7 @@ def time_config(args, doc, cfg, config, impls, timer, reference, device):
             doc["shapes"].append(entry)
             if "error" in entry and not harness.context_alive(device):
                 return False
-        del x, ids, wts, ref
+        del x, ids, wts, ref, grad_out
         harness.free_memory(device)
     return True
 
@@ -263,6 +291,8 @@ def run_child(args, path, check):
             str(args.rep_ms),
             "--seed",
             str(args.seed),
+            "--mode",
+            args.mode,
             *(["--check"] if check else []),
             *(["--self-test"] if args.self_test else []),
         ]
@@ -409,6 +439,7 @@ def parent(args):
         configs=args.configs_list,
         tokens=args.tokens_list,
         splits=args.splits,
+        mode=args.mode,
         seed=args.seed,
         warmup_ms=args.warmup_ms,
         rep_ms=args.rep_ms,
