@@ -1,0 +1,117 @@
+"""Where flash_moe's training step spends its time, kernel by kernel (GPU only).
+
+    python benchmarks/flash_moe_kernels.py [--configs qwen3,mixtral] [--tokens 32768]
+                                           [--routing softmax|one] [--steps 5]
+
+Runs flash_moe.moe forward and backward (x, w, w2 and topk_weights requiring grad) a few
+times under torch.profiler and prints, per kernel, the mean device time per step and, for
+the GEMMs, TFLOP/s. Kernels are named by the parts they are composed of (MoeGemm's
+template arguments), so dh, dW2, dxe and dW are told apart. The step's own wall time is
+benchmarks/flash_moe.py --training's job; this splits it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:
+    sys.path.append(str(HERE.parent))
+
+import flash_moe  # noqa: E402
+
+# (substring of the demangled kernel name, label, FLOPs per step as a multiple of T*k*D*H)
+KERNELS = (
+    ("SwiGluToH<true>", "forward gate/up (keeps z)", 4),
+    ("SwiGluToH<false>", "forward gate/up", 4),
+    ("StoreRows, prime_moe::TmaWeightTiles<", "forward down", 2),
+    ("SwiGluBackward", "dh (SwiGLU backward epilogue)", 2),
+    ("(prime_moe::Side)0>, prime_moe::StoreExpertTile, prime_moe::TmaRowsAlongK", "dW2", 2),
+    ("TmaRowsAlongK<prime_moe::MoeGemmTile<128, 256, 1>, (prime_moe::Side)0>", "dW", 4),
+    ("StoreRows, prime_moe::TmaWeightTilesMN", "dxe", 4),
+    ("moe_combine_kernel", "combine (out, then dx)", 0),
+    ("moe_routing_weight_grad_kernel", "routing-weight gradient", 0),
+    ("moe_expert_segments_kernel", "expert segments", 0),
+    ("moe_align", "moe_align", 0),
+)
+
+
+def label_of(name):
+    for key, label, flops in KERNELS:
+        if key in name:
+            return label, flops
+    return name[:80], 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="qwen3,mixtral")
+    p.add_argument("--tokens", default="32768")
+    p.add_argument(
+        "--routing",
+        choices=("softmax", "one"),
+        default="softmax",
+        help="one: every token on experts 0..k-1 (the skewed extreme)",
+    )
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import prime_kernels
+
+    args = parse_args(argv)
+    reason = prime_kernels.unavailable_reason("flash_moe")
+    if reason:
+        sys.exit(reason)
+    fm = prime_kernels.load("flash_moe")
+    device = torch.device("cuda")
+    for cfg in flash_moe.resolve_configs(args.configs.split(",")):
+        label, D, H, E, k = flash_moe.CONFIGS[cfg]
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        w, w2 = flash_moe.make_weights(D, H, E, gen, device)
+        for T in (int(t) for t in args.tokens.split(",")):
+            x, ids, wts = flash_moe.make_inputs(T, D, E, k, gen, device)
+            if args.routing == "one":
+                ids = torch.arange(k, dtype=torch.int32, device=device).expand(T, k).contiguous()
+            grad_out = (0.1 * torch.randn(x.shape, generator=gen, device=device)).to(x.dtype)
+            leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, w2, wts)]
+
+            def step(leaves=leaves, ids=ids, grad_out=grad_out):
+                out = fm.moe(leaves[0], leaves[1], leaves[2], ids, leaves[3])
+                return torch.autograd.grad(out, leaves, grad_out)
+
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.steps):
+                    step()
+                torch.cuda.synchronize()
+            rows = {}
+            for event in prof.key_averages():
+                us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+                if us <= 0:
+                    continue
+                name, flops = label_of(event.key)
+                ms, _ = rows.get(name, (0.0, flops))
+                rows[name] = (ms + us / 1000 / args.steps, flops)
+            total = sum(ms for ms, _ in rows.values())
+            print(f"== {label} T={T} ({args.routing} routing): {total:.3f} ms of kernels a step")
+            for name, (ms, flops) in sorted(rows.items(), key=lambda r: -r[1][0]):
+                rate = f"{flops * T * k * D * H / ms / 1e9:7.0f} TFLOP/s" if flops else ""
+                print(f"  {ms:8.3f} ms  {rate:>15}  {name}")
+            del x, ids, wts, grad_out, leaves
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
