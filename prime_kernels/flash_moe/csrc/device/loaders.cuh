@@ -233,8 +233,9 @@ struct GatherRowsAlongK {
   }
 
   // The row ids of stage kb, all loads first: a cp.async (asm with a memory clobber) between
-  // them would serialize one L2 round trip per row. Issued a stage ahead, so their latency
-  // passes while the producer waits for a free stage.
+  // them would serialize one L2 round trip per row. Fetched right after the previous stage's
+  // copies; turning them into offsets waits for the loads, so the thread's next copies (its
+  // TMA too) wait one L2 round trip per stage (docs/flash_moe_backward_design.md, section 4).
   __device__ __forceinline__ void fetch(const MoeGemmParams& p, int kb) {
     int pair[kPasses];
 #pragma unroll
