@@ -161,3 +161,38 @@ def test_moe_mxfp8_names_the_missing_op():
     leaves, ids = _training_inputs(4, 256, 128, 4, 2, (False,) * 4, "meta")
     with pytest.raises(NotImplementedError, match="fused_moe_mxfp8"):
         flash_moe.moe(*leaves[:3], ids, leaves[3], mxfp8=True)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 2)])
+def test_pack_scales_blocked_follows_the_contract(lead):
+    """Every scale (r, c) of each leading index's (MN, K/32) block lands at the byte
+    CONTRACT.md gives; the result is e8m0 of shape (*lead, MN*K/32), and unpacking it gives
+    the row-major scales back."""
+    MN, KB = 256, 12
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 256, (*lead, MN, KB), dtype=torch.uint8, generator=gen)
+    packed = flash_moe.pack_scales_blocked(bits.view(torch.float8_e8m0fnu))
+    assert packed.dtype == torch.float8_e8m0fnu and packed.shape == (*lead, MN * KB)
+    r = torch.arange(MN).view(MN, 1)
+    c = torch.arange(KB).view(1, KB)
+    offset = ((r // 128) * (KB // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4
+    offset = (offset + c % 4).reshape(-1)
+    flat = packed.view(torch.uint8).reshape(-1, MN * KB)
+    assert torch.equal(flat[:, offset], bits.reshape(-1, MN * KB))
+    unpacked = flash_moe.unpack_scales_blocked(packed, MN)
+    assert unpacked.dtype == torch.float8_e8m0fnu
+    assert torch.equal(unpacked.view(torch.uint8), bits)
+    assert torch.equal(
+        flash_moe.pack_scales_blocked(bits).view(torch.uint8), packed.view(torch.uint8)
+    )
+
+
+def test_pack_scales_blocked_refuses_what_it_cannot_tile():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        flash_moe.pack_scales_blocked(torch.zeros(64, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        flash_moe.pack_scales_blocked(torch.zeros(128, 6, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="float8_e8m0fnu"):
+        flash_moe.pack_scales_blocked(torch.zeros(128, 4))
+    with pytest.raises(ValueError, match="mn"):
+        flash_moe.unpack_scales_blocked(torch.zeros(100, dtype=torch.uint8), 128)

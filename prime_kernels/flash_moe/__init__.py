@@ -36,7 +36,9 @@ __all__ = [
     "moe",
     "moe_align",
     "moe_align_max_padded",
+    "pack_scales_blocked",
     "set_num_sms",
+    "unpack_scales_blocked",
     "unsupported_shape_reason",
 ]
 
@@ -77,6 +79,36 @@ def unsupported_shape_reason(
             f"the down GEMM's reduction dim, read in whole {HIDDEN_MULTIPLE}-element TMA K steps"
         )
     return None
+
+
+def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """MXFP8 scales from row-major (..., MN, K/32) to the blocked layout the MXFP8 kernels
+    read: tiles of 128 rows x 4 scale columns (512 bytes each), ordered row-tile-major then
+    column-tile; inside a tile, row r and column c at byte (r % 32) * 16 + ((r % 128) // 32)
+    * 4 + c % 4. Returns float8_e8m0fnu of shape (..., MN * K/32), as the original does.
+    Takes float8_e8m0fnu (or its uint8 bits); needs MN % 128 == 0 and (K/32) % 4 == 0
+    (ValueError otherwise: pad first). Pure PyTorch (a permuting copy), on any device."""
+    from . import mxfp8
+
+    if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"scales must be float8_e8m0fnu (or uint8 bits), got {scales.dtype}")
+    packed = mxfp8.pack_scales_blocked(scales.view(torch.uint8))
+    return packed.reshape(*scales.shape[:-2], -1).view(torch.float8_e8m0fnu)
+
+
+def unpack_scales_blocked(packed: torch.Tensor, mn: int) -> torch.Tensor:
+    """Inverse of :func:`pack_scales_blocked`: blocked (..., MN * K/32) scales of ``mn`` rows
+    back to row-major (..., MN, K/32), float8_e8m0fnu."""
+    from . import mxfp8
+
+    if packed.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"packed must be float8_e8m0fnu (or uint8 bits), got {packed.dtype}")
+    if packed.ndim < 1 or mn <= 0 or packed.shape[-1] % mn:
+        raise ValueError(
+            f"packed has shape {tuple(packed.shape)}: its last dim must be mn * K/32 with mn={mn}"
+        )
+    rows = packed.view(torch.uint8).reshape(*packed.shape[:-1], mn, packed.shape[-1] // mn)
+    return mxfp8.unpack_scales_blocked(rows).view(torch.float8_e8m0fnu)
 
 
 def moe_align_max_padded(num_pairs: int, num_experts: int, pad: int) -> int:
