@@ -229,7 +229,8 @@ std::tuple<Tensor, Tensor, Tensor> moe_forward(Tensor x, Tensor w, Tensor w2,
 }
 
 // The gradients of moe_forward for dO = grad_out; each one not asked for comes back as an
-// empty (0,) tensor and costs nothing.
+// empty (0,) tensor and costs nothing. z, pair_to_row and the alignment must be what
+// moe_forward returned for this routing: their shapes are checked, their values trusted.
 std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
     Tensor grad_out, Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids,
     Tensor num_tokens_post_padded, Tensor topk_weights, Tensor z, Tensor pair_to_row, int64_t top_k,
@@ -281,6 +282,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
   problem.device = fwd.device;
   const std::string problem_error = check_moe_backward(problem);
   if (!problem_error.empty()) fail(op, problem_error);
+  if (!(need_dx || need_dw || need_dw2 || need_dtopk_weights)) return {dx, dw, dw2, dtopk_weights};
 
   const int64_t workspace_bytes = static_cast<int64_t>(moe_backward_workspace_bytes(problem));
   Tensor workspace =

@@ -13,7 +13,8 @@
 //   WeightedAtomicAdd  down, split=false: out[token] += topk_weight * acc with bf16x2
 //                      atomics (the caller zeroed out; the k contributions land in any order);
 //   SwiGluBackward     dh: from dh' = dO w2_e (the accumulators) and the kept z, the SwiGLU
-//                      backward dz = [dg | du], y1s = bf16(s h) and <dh', h> per row;
+//                      backward dz = [dg | du], y1s = bf16(s h) and <dh', h> per pair
+//                      and n tile;
 //   StoreExpertTile    weight gradients: bf16 tile of expert e's (m_dim, n_dim) gradient.
 // (A shared-memory-staged TMA-store epilogue and the MXFP8 re-quantizing one are further
 // parts of this file's kind.)
@@ -119,8 +120,9 @@ struct WeightedAtomicAdd {
 // the row's kept pre-activations g, u (bf16, from z) give, with h = silu(g) u recomputed in
 // fp32:  dz = [dg | du] with dg = s dh' u silu'(g), du = s dh' silu(g), silu'(g) =
 // sig(g) (1 + g (1 - sig(g)));  y1s = bf16(s h), the down projection's input scaled by the
-// routing weight (dW2's B operand);  ds_part[row][slice] = sum over the slice's columns of
-// dh' h (the routing weight's gradient <dO_t, y> = <dh', h> without y). Rows with no routed
+// routing weight (dW2's B operand);  ds_part[pair][slice] = sum over the consumer's columns
+// (one n tile at block_m = 128) of dh' h (the routing weight's gradient <dO_t, y> = <dh', h>
+// without y). Rows with no routed
 // pair get zeros in dz and y1s, which the weight gradients read as K rows. A null y1s or
 // ds_part is an output not asked for (w2 or the routing weights frozen).
 struct SwiGluBackward {
