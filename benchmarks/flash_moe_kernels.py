@@ -57,7 +57,9 @@ def parse_args(argv=None):
         default="softmax",
         help="one: every token on experts 0..k-1 (the skewed extreme)",
     )
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--steps", type=int, default=5, help="profiled steps (0: one step, no profiler, for ncu)"
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -89,9 +91,11 @@ def main(argv=None):
                 out = fm.moe(leaves[0], leaves[1], leaves[2], ids, leaves[3])
                 return torch.autograd.grad(out, leaves, grad_out)
 
-            for _ in range(2):
+            for _ in range(2 if args.steps else 1):
                 step()
             torch.cuda.synchronize()
+            if args.steps == 0:  # under ncu, which profiles the launches itself
+                continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.steps):
                     step()
