@@ -280,6 +280,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
   problem.max_padded = fwd.max_padded;
   problem.block_m = kBlockM;
   problem.device = fwd.device;
+  // The forward's rules (sizes, alignment of x, w, w2 and grad_out), then the backward's own.
+  if (const std::string error = check_fused_moe_bf16(fwd, FusedMoeBf16Config{}); !error.empty())
+    fail(op, error);
   const std::string problem_error = check_moe_backward(problem);
   if (!problem_error.empty()) fail(op, problem_error);
   if (!(need_dx || need_dw || need_dw2 || need_dtopk_weights)) return {dx, dw, dw2, dtopk_weights};

@@ -37,6 +37,10 @@ struct MoeBackwardProblem {
 };
 
 // Empty when the backward runs this problem; otherwise one sentence naming what is wrong.
+// The rules the forward shares (dims, sizes, alignment of x, w, w2 and grad_out) are
+// check_fused_moe_bf16's, which the caller runs first on the same problem; these are the
+// backward's own: moe_align's default block_m, the alignment of z and the gradients, and
+// shared memory for its rings.
 std::string check_moe_backward(const MoeBackwardProblem& problem);
 
 // Scratch device memory the launch needs (256-byte aligned), for the gradients asked for.

@@ -2,8 +2,8 @@
 // memory into fp32 registers, keeping one slice's wgmmas in flight and handing the stage
 // before it back to the producer. The MMA atom is a parameter (Consumers::Mma, bf16 wgmma
 // k16 today), so an fp8 atom or a dequantizing step slots in without another loop; so are
-// the operand layouts (ALayout, BLayout: K-major or MN-major tiles, wgmma.cuh), which give
-// the descriptors and their K step.
+// the operand layouts (Consumers::ALayout, BLayout: K-major or MN-major tiles, wgmma.cuh),
+// which give the descriptors and their K step.
 #pragma once
 
 #include <cstdint>
@@ -14,10 +14,11 @@
 
 namespace prime_moe {
 
-template <class Tile, class Consumers, bool kFenceGenericWrites,
-          class ALayout = prime_kernels::SmemKMajor, class BLayout = prime_kernels::SmemKMajor>
+template <class Tile, class Consumers, bool kFenceGenericWrites>
 struct WarpgroupMainloop {
   using Mma = typename Consumers::Mma;
+  using ALayout = typename Consumers::ALayout;
+  using BLayout = typename Consumers::BLayout;
   using Accumulators = float[Consumers::kNumMma][Mma::kAccRegs];
 
   // A tile this warpgroup has no work in (a 64-row half of padding) only passes its

@@ -37,8 +37,7 @@ struct MoeGemm {
   using Scheduler = Scheduler_;
   using Consumers = CooperativeConsumers<Tile, typename ALoad::Layout, typename BLoad::Layout>;
   using Mainloop =
-      WarpgroupMainloop<Tile, Consumers, ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites,
-                        typename ALoad::Layout, typename BLoad::Layout>;
+      WarpgroupMainloop<Tile, Consumers, ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites>;
 
   static constexpr int kThreads = 128 * (1 + Consumers::kWarpgroups);
   static constexpr int kProducerThreads =

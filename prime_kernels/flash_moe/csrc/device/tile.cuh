@@ -39,9 +39,11 @@ struct MoeGemmTile {
 // rows and all columns; with block_m = 64 both take the 64 rows and half the columns each.
 // (A ping-pong schedule, each warpgroup on its own tile so one's epilogue runs under the
 // other's mainloop, is the other part that fits here.)
-template <class Tile, class ALayout = prime_kernels::SmemKMajor,
-          class BLayout = prime_kernels::SmemKMajor>
+template <class Tile, class ALayout_, class BLayout_>
 struct CooperativeConsumers {
+  // How the stage's A and B tiles sit in shared memory (the loaders' layouts, wgmma.cuh).
+  using ALayout = ALayout_;
+  using BLayout = BLayout_;
   static constexpr int kWarpgroups = 2;
   static constexpr int kWgM = Tile::kBlockM / 64;
   static constexpr int kWgN = kWarpgroups / kWgM;
