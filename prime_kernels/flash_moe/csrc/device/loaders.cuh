@@ -215,9 +215,10 @@ struct GatherRowsAlongK {
   int k_row0 = 0, npp = 0;
   bool column_valid = false;
   uint32_t column_chunk = 0;  // 16-byte-chunk offset of the piece inside a token row
-  // The stage to issue next: each pass's source, as 16-byte-chunk offsets, and validity.
-  uint32_t src_chunk[kPasses];
-  uint32_t valid_mask = 0;
+  // The next stage's row ids, as loaded: consumed only when that stage is issued, so the
+  // loads' round trip passes while the producer waits for a free stage, and nothing the
+  // producer issues in between (the weight tile's TMA above all) waits on it.
+  int next_pair[kPasses];
 
   __device__ __forceinline__ explicit GatherRowsAlongK(int tid)
       : piece(tid % kPiecesPerRow), pass_row(tid / kPiecesPerRow) {}
@@ -232,22 +233,13 @@ struct GatherRowsAlongK {
     fetch(p, 0);
   }
 
-  // The row ids of stage kb, all loads first: a cp.async (asm with a memory clobber) between
-  // them would serialize one L2 round trip per row. Fetched right after the previous stage's
-  // copies; turning them into offsets waits for the loads, so the thread's next copies (its
-  // TMA too) wait one L2 round trip per stage (docs/flash_moe_backward_design.md, section 4).
+  // Issues the loads of stage kb's row ids, all before any cp.async (an asm with a memory
+  // clobber between them would serialize one L2 round trip per row).
   __device__ __forceinline__ void fetch(const MoeGemmParams& p, int kb) {
-    int pair[kPasses];
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i)
-      pair[i] = routed_pair(p, npp, k_row0 + kb * Tile::kBlockK + pass_row + kRowsPerPass * i);
-    valid_mask = 0;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      const bool valid = column_valid && pair[i] >= 0;
-      src_chunk[i] =
-          (valid ? uint32_t(pair[i] / p.top_k) : 0u) * uint32_t(p.ld_x / 8) + column_chunk;
-      valid_mask |= uint32_t(valid) << i;
+      const int row = k_row0 + kb * Tile::kBlockK + pass_row + kRowsPerPass * i;
+      next_pair[i] = row < npp ? p.sorted_token_ids[row] : -1;
     }
   }
 
@@ -259,8 +251,12 @@ struct GatherRowsAlongK {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = pass_row + kRowsPerPass * i;
+      const int pair = next_pair[i];
+      // Padding (-1) and ids outside [0, T*k) load zeros, as routed_pair says.
+      const bool valid = column_valid && pair >= 0 && pair < p.num_pairs;
+      const uint32_t token = valid ? uint32_t(pair / p.top_k) : 0u;
       const uint32_t dst = base + r * 128 + (((piece % 8) ^ (r % 8)) << 4);
-      cp_async_16_zfill(dst, src + src_chunk[i], (valid_mask >> i) & 1);
+      cp_async_16_zfill(dst, src + token * uint32_t(p.ld_x / 8) + column_chunk, valid);
     }
     cp_async_mbarrier_arrive_noinc(full);
     fetch(p, kb + 1);  // past the segment: rows of the next expert or padding, never read

@@ -115,10 +115,19 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
         ring.producer_acquire(rs);
         uint64_t* full = ring.full_barrier(rs);
         if (tid == 0) mbarrier_arrive_expect_tx(full, Kernel::kStageTmaBytes);
-        if (tid < ALoad::kThreads)
-          a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
-        if (tid < BLoad::kThreads)
-          b_load.load(p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb);
+        // TMA (one thread) before the gathers, so thread 0's copies are not queued behind
+        // its share of a gather.
+        if constexpr (ALoad::kThreads <= BLoad::kThreads) {
+          if (tid < ALoad::kThreads)
+            a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
+          if (tid < BLoad::kThreads)
+            b_load.load(p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb);
+        } else {
+          if (tid < BLoad::kThreads)
+            b_load.load(p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb);
+          if (tid < ALoad::kThreads)
+            a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
+        }
         rs.advance(stages);
       }
     }
