@@ -116,6 +116,34 @@ struct WeightedAtomicAdd {
   }
 };
 
+// 4x4 transpose of 32-bit words across the 4 lanes of a quad: before, lane q holds
+// v[t] = W[t][q]; after, v[t] = W[q][t]. Two butterfly rounds; in each, a lane swaps with
+// its partner the two slots whose bit differs from its own lane bit.
+__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4]) {
+  const int q = threadIdx.x % 4;
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {
+    const bool upper = (q & m) != 0;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int lo = m == 1 ? 2 * k : k;  // the slot with bit m clear
+      const int hi = lo + m;              // and its pair with bit m set
+      const uint32_t recv = __shfl_xor_sync(0xFFFFFFFFu, upper ? v[lo] : v[hi], m);
+      if (upper)
+        v[lo] = recv;
+      else
+        v[hi] = recv;
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ __nv_bfloat162 bit_cast_bf162(uint32_t v) {
+  return *reinterpret_cast<__nv_bfloat162*>(&v);
+}
+
 // dh = dO_t w2_e^T per routed row (the accumulators: dh', before the routing weight s) and
 // the row's kept pre-activations g, u (bf16, from z) give, with h = silu(g) u recomputed in
 // fp32:  dz = [dg | du] with dg = s dh' u silu'(g), du = s dh' silu(g), silu'(g) =
@@ -144,44 +172,60 @@ struct SwiGluBackward {
       const __nv_bfloat16* z = p.z + row * (2 * size_t(H));
       __nv_bfloat16* dz = p.out + row * (2 * size_t(H));
       __nv_bfloat16* y1s = p.y1s + row * size_t(H);
-      // The row's g and u first, every load in flight at once: a store between two loads
-      // (the compiler cannot tell z from dz) would serialize one round trip per column pair.
-      __nv_bfloat162 g2[kCols / 8], u2[kCols / 8];
+      // 16-byte accesses: lane q of a quad moves the 8 columns of j = 4a + q (a 4x4 transpose
+      // of bf16x2 words inside the quad turns them into the accumulators' layout and back),
+      // so each row's 32 columns per group are two whole sectors, not eight half-used ones.
+      // The row's g and u first, every load in flight at once (the compiler cannot tell z
+      // from dz, so a store between two loads would serialize them).
+      constexpr int kGroups = kCols / 32;
+      const int lane_col = 8 * (threadIdx.x % 4);
+      uint4 g16[kGroups], u16[kGroups];
 #pragma unroll
-      for (int j = 0; j < kCols / 8; ++j) {
-        const int col = col0 + wgmma_acc_col(j);
+      for (int a = 0; a < kGroups; ++a) {
+        const int col = col0 + 32 * a + lane_col;
         const bool live = pair >= 0 && col < H;  // col >= H: partial last n tile
-        g2[j] = live ? *reinterpret_cast<const __nv_bfloat162*>(z + col)
-                     : __floats2bfloat162_rn(0.f, 0.f);
-        u2[j] = live ? *reinterpret_cast<const __nv_bfloat162*>(z + H + col)
-                     : __floats2bfloat162_rn(0.f, 0.f);
+        g16[a] = live ? *reinterpret_cast<const uint4*>(z + col) : make_uint4(0, 0, 0, 0);
+        u16[a] = live ? *reinterpret_cast<const uint4*>(z + H + col) : make_uint4(0, 0, 0, 0);
       }
       float ds = 0.f;
 #pragma unroll
-      for (int j = 0; j < kCols / 8; ++j) {
-        const int col = col0 + wgmma_acc_col(j);
-        if (col >= H) continue;
-        __nv_bfloat162 dg2, du2, y2;
-        if (pair >= 0) {
-          const float2 g = __bfloat1622float2(g2[j]);
-          const float2 u = __bfloat1622float2(u2[j]);
-          const float d0 = wgmma_acc_at(acc, 4 * j + 2 * i);
-          const float d1 = wgmma_acc_at(acc, 4 * j + 2 * i + 1);
-          const float sig0 = 1.0f / (1.0f + __expf(-g.x));
-          const float sig1 = 1.0f / (1.0f + __expf(-g.y));
-          const float silu0 = g.x * sig0, silu1 = g.y * sig1;
-          const float h0 = silu0 * u.x, h1 = silu1 * u.y;
-          ds += d0 * h0 + d1 * h1;
-          dg2 = __floats2bfloat162_rn(s * d0 * u.x * sig0 * (1.0f + g.x * (1.0f - sig0)),
-                                      s * d1 * u.y * sig1 * (1.0f + g.y * (1.0f - sig1)));
-          du2 = __floats2bfloat162_rn(s * d0 * silu0, s * d1 * silu1);
-          y2 = __floats2bfloat162_rn(s * h0, s * h1);
-        } else {
-          dg2 = du2 = y2 = __floats2bfloat162_rn(0.f, 0.f);
+      for (int a = 0; a < kGroups; ++a) {
+        uint32_t g[4] = {g16[a].x, g16[a].y, g16[a].z, g16[a].w};
+        uint32_t u[4] = {u16[a].x, u16[a].y, u16[a].z, u16[a].w};
+        quad_transpose(g);
+        quad_transpose(u);
+        uint32_t dg[4], du[4], y[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int j = 4 * a + t;
+          if (pair >= 0) {  // a skipped half's accumulators hold nothing: never read them
+            const float2 gf = __bfloat1622float2(bit_cast_bf162(g[t]));
+            const float2 uf = __bfloat1622float2(bit_cast_bf162(u[t]));
+            const float d0 = wgmma_acc_at(acc, 4 * j + 2 * i);
+            const float d1 = wgmma_acc_at(acc, 4 * j + 2 * i + 1);
+            const float sig0 = 1.0f / (1.0f + __expf(-gf.x));
+            const float sig1 = 1.0f / (1.0f + __expf(-gf.y));
+            const float silu0 = gf.x * sig0, silu1 = gf.y * sig1;
+            const float h0 = silu0 * uf.x, h1 = silu1 * uf.y;
+            ds += d0 * h0 + d1 * h1;  // columns past H: g = u = 0, so h = 0
+            dg[t] = bf162_bits(
+                __floats2bfloat162_rn(s * d0 * uf.x * sig0 * (1.0f + gf.x * (1.0f - sig0)),
+                                      s * d1 * uf.y * sig1 * (1.0f + gf.y * (1.0f - sig1))));
+            du[t] = bf162_bits(__floats2bfloat162_rn(s * d0 * silu0, s * d1 * silu1));
+            y[t] = bf162_bits(__floats2bfloat162_rn(s * h0, s * h1));
+          } else {
+            dg[t] = du[t] = y[t] = 0u;
+          }
         }
-        *reinterpret_cast<__nv_bfloat162*>(dz + col) = dg2;
-        *reinterpret_cast<__nv_bfloat162*>(dz + H + col) = du2;
-        if (p.y1s != nullptr) *reinterpret_cast<__nv_bfloat162*>(y1s + col) = y2;
+        quad_transpose(dg);
+        quad_transpose(du);
+        quad_transpose(y);
+        const int col = col0 + 32 * a + lane_col;
+        if (col >= H) continue;
+        *reinterpret_cast<uint4*>(dz + col) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+        *reinterpret_cast<uint4*>(dz + H + col) = make_uint4(du[0], du[1], du[2], du[3]);
+        if (p.y1s != nullptr)
+          *reinterpret_cast<uint4*>(y1s + col) = make_uint4(y[0], y[1], y[2], y[3]);
       }
       // The row's columns are spread over the 4 lanes of a quad: a fixed butterfly, so the
       // sum's order is the same on every run.
