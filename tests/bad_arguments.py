@@ -70,7 +70,8 @@ MAX_PADDED = 640  # moe_align's length for T * K = 128 pairs, E = 4, block_m = 1
 
 def training_inputs(flash_moe, device: str) -> list:
     """A valid moe_backward call's arguments: grad_out, x, w, w2, the alignment, weights, z,
-    pair_to_row, k and the four need flags (moe_forward's are x .. weights and k). z and
+    pair_to_row, k, the four need flags and overwrite_z (moe_forward's are x .. weights and
+    k). z and
     pair_to_row have the shapes moe_forward returns; their values are never read, since
     every case fails its checks first."""
     x, w, w2, sorted_ids, expert_ids, total, weights, _, k = base_inputs(flash_moe, device)
@@ -79,7 +80,8 @@ def training_inputs(flash_moe, device: str) -> list:
     z = torch.zeros(MAX_PADDED, 2 * H, device=device).bfloat16()
     pair_to_row = torch.full((T * K,), -1, dtype=torch.int32, device=device)
     aligned = [sorted_ids, expert_ids, total]
-    return [grad_out, x, w, w2, *aligned, weights, z, pair_to_row, k, True, True, True, True]
+    flags = [True, True, True, True, False]  # the four need flags, overwrite_z
+    return [grad_out, x, w, w2, *aligned, weights, z, pair_to_row, k, *flags]
 
 
 def training(op: str, **replace):
@@ -102,6 +104,7 @@ def training(op: str, **replace):
         "need_dw",
         "need_dw2",
         "need_dtopk_weights",
+        "overwrite_z",
     ]
     forward_names = names[1:8] + ["top_k"]
 

@@ -241,6 +241,22 @@ def pattern_id(needs):
     return "+".join(names) if names else "none"
 
 
+def test_retain_graph_keeps_z(flash_moe, seed):
+    """A backward that keeps the graph (retain_graph=True) leaves z intact: a second one
+    gives the same gradients; the last, which does not keep it, computes dz into z's memory
+    and gets the same bits too."""
+    inputs, grad_out = make_inputs(500, 256, 128, 8, 2, "uniform", seed)
+    lx, lw, lw2, ltw = leaves(inputs, ALL)
+    out = flash_moe.moe(lx, lw, lw2, inputs[3], ltw)
+    wrt = (lx, lw, lw2, ltw)
+    first = torch.autograd.grad(out, wrt, grad_out, retain_graph=True)
+    second = torch.autograd.grad(out, wrt, grad_out, retain_graph=True)
+    last = torch.autograd.grad(out, wrt, grad_out)
+    for name, a, b, c in zip(GRAD_NAMES, first, second, last):
+        assert torch.equal(a, b), f"{name} changed after a backward that kept the graph"
+        assert torch.equal(a, c), f"{name} differs when dz takes z's memory"
+
+
 @pytest.mark.parametrize("needs", FROZEN_PATTERNS, ids=pattern_id)
 def test_frozen_inputs(flash_moe, seed, monkeypatch, needs):
     """Only the gradients of inputs that require grad are computed (moe_backward is asked
@@ -252,7 +268,7 @@ def test_frozen_inputs(flash_moe, seed, monkeypatch, needs):
 
     def spy(*args):
         result = original(*args)
-        calls.append((args[-4:], [tuple(t.shape) for t in result]))
+        calls.append((args[-5:-1], [tuple(t.shape) for t in result], args[-1]))
         return result
 
     monkeypatch.setattr(torch.ops.prime_moe, "moe_backward", spy)
@@ -262,8 +278,9 @@ def test_frozen_inputs(flash_moe, seed, monkeypatch, needs):
         assert calls == []
         return
     assert len(calls) == 1, calls
-    (asked, shapes), likes = calls[0], (inputs[0], inputs[1], inputs[2], inputs[4])
+    (asked, shapes, overwrite_z), likes = calls[0], (inputs[0], inputs[1], inputs[2], inputs[4])
     assert tuple(asked) == needs, f"moe_backward asked for {asked}, want {needs}"
+    assert overwrite_z, "a backward that does not keep the graph computes dz into z's memory"
     for name, need, shape, like in zip(GRAD_NAMES, needs, shapes, likes):
         assert shape == (tuple(like.shape) if need else (0,)), f"{name}: shape {shape}"
 
@@ -348,7 +365,7 @@ def test_ops_directly(flash_moe, seed):
     for needs in [ALL, (False,) * 4, (True, False, False, True), (False, True, True, False)]:
         poison_allocator()
         result = torch.ops.prime_moe.moe_backward(
-            grad_out, x, w, w2, *aligned, weights, z, pair_to_row, k, *needs
+            grad_out, x, w, w2, *aligned, weights, z, pair_to_row, k, *needs, False
         )
         for name, need, ours, ref in zip(GRAD_NAMES, needs, result, ref_grads):
             if not need:

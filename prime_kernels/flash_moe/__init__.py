@@ -269,6 +269,7 @@ if EXTENSION_BUILT:
         need_dw,
         need_dw2,
         need_dtopk_weights,
+        overwrite_z=False,
     ):
         def grad(need, like):
             return like.new_empty(like.shape if need else (0,))
@@ -295,6 +296,10 @@ if EXTENSION_BUILT:
         if grad_out is None or not (need_dx or need_dw or need_dw2 or need_dtw):
             return None, None, None, None, None, None, None, None
         x, w, w2, sorted_ids, expert_ids, total, topk_weights, z, pair_to_row = ctx.saved_tensors
+        # Unless the graph is kept for another backward (retain_graph=True, or no running
+        # backward at all: tracing), z is not read again, so dz takes its memory: the largest
+        # buffer this backward would otherwise allocate.
+        overwrite_z = not torch._C._autograd._get_current_graph_task_keep_graph()
         dx, dw, dw2, dtw = torch.ops.prime_moe.moe_backward(
             grad_out.contiguous(),
             x,
@@ -311,6 +316,7 @@ if EXTENSION_BUILT:
             need_dw,
             need_dw2,
             need_dtw,
+            overwrite_z,
         )
         return (
             dx if need_dx else None,

@@ -231,10 +231,12 @@ std::tuple<Tensor, Tensor, Tensor> moe_forward(Tensor x, Tensor w, Tensor w2,
 // The gradients of moe_forward for dO = grad_out; each one not asked for comes back as an
 // empty (0,) tensor and costs nothing. z, pair_to_row and the alignment must be what
 // moe_forward returned for this routing: their shapes are checked, their values trusted.
+// overwrite_z: dz is computed into z's memory (z is then gone), for a backward whose graph
+// is not kept.
 std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
     Tensor grad_out, Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids,
     Tensor num_tokens_post_padded, Tensor topk_weights, Tensor z, Tensor pair_to_row, int64_t top_k,
-    bool need_dx, bool need_dw, bool need_dw2, bool need_dtopk_weights) {
+    bool need_dx, bool need_dw, bool need_dw2, bool need_dtopk_weights, bool overwrite_z) {
   constexpr const char* op = "moe_backward";
   const FusedMoeBf16Problem fwd = forward_problem(
       op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, &grad_out,
@@ -266,7 +268,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
   problem.expert_ids = fwd.expert_ids;
   problem.num_tokens_post_padded = fwd.num_tokens_post_padded;
   problem.topk_weights = fwd.topk_weights;
-  problem.z = static_cast<const __nv_bfloat16*>(z.const_data_ptr());
+  problem.z = static_cast<__nv_bfloat16*>(z.mutable_data_ptr());
+  problem.overwrite_z = overwrite_z;
   problem.pair_to_row = pair_to_row.const_data_ptr<int32_t>();
   problem.dx = need_dx ? static_cast<__nv_bfloat16*>(dx.mutable_data_ptr()) : nullptr;
   problem.dw = need_dw ? static_cast<__nv_bfloat16*>(dw.mutable_data_ptr()) : nullptr;
@@ -313,9 +316,10 @@ STABLE_TORCH_LIBRARY(prime_moe, m) {
       "(Tensor out, Tensor z, Tensor pair_to_row)");
   m.def(
       "moe_backward(Tensor grad_out, Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, Tensor z, "
+      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) z, "
       "Tensor pair_to_row, int top_k, bool need_dx, bool need_dw, bool need_dw2, "
-      "bool need_dtopk_weights) -> (Tensor dx, Tensor dw, Tensor dw2, Tensor dtopk_weights)");
+      "bool need_dtopk_weights, bool overwrite_z=False) -> (Tensor dx, Tensor dw, Tensor dw2, "
+      "Tensor dtopk_weights)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {

@@ -51,7 +51,7 @@ int routing_grad_slices(int64_t hidden_dim) {
 }
 
 struct Workspace {
-  __nv_bfloat16* dz;       // (max_padded, 2H)
+  __nv_bfloat16* dz;       // (max_padded, 2H): z's memory with overwrite_z
   __nv_bfloat16* y1s_dxe;  // y1s (max_padded, H) for dw2, then dxe (max_padded, D) for dx
   float* ds_part;          // (T * k, slices) when the routing weights' gradient is asked
   int32_t* segments;       // (2E,)
@@ -63,8 +63,12 @@ Workspace carve_workspace(const MoeBackwardProblem& pr, void* base) {
   Workspace ws{};
   size_t off = 0;
   const size_t rows = size_t(pr.max_padded);
-  ws.dz = reinterpret_cast<__nv_bfloat16*>(p + off);
-  off += align256(rows * 2 * pr.hidden_dim * sizeof(__nv_bfloat16));
+  if (pr.overwrite_z) {
+    ws.dz = pr.z;
+  } else {
+    ws.dz = reinterpret_cast<__nv_bfloat16*>(p + off);
+    off += align256(rows * 2 * pr.hidden_dim * sizeof(__nv_bfloat16));
+  }
   // dxe is written after dw2 has read y1s (stream order), so they share one buffer.
   const int64_t width = pr.dx != nullptr && pr.dim > pr.hidden_dim ? pr.dim : pr.hidden_dim;
   ws.y1s_dxe = reinterpret_cast<__nv_bfloat16*>(p + off);
@@ -181,7 +185,7 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
   dh.b_rows_per_expert = D;
   dh.out = ws.dz;
   dh.ld_out = 2 * H;
-  dh.z = const_cast<__nv_bfloat16*>(pr.z);
+  dh.z = pr.z;
   dh.y1s = pr.dw2 != nullptr ? ws.y1s_dxe : nullptr;
   dh.ds_part = ws.ds_part;
   dh.ld_ds = routing_grad_slices(H);

@@ -26,12 +26,16 @@ struct MoeBackwardProblem {
   const int32_t* expert_ids;              // (max_padded / block_m,)
   const int32_t* num_tokens_post_padded;  // (1,) device
   const float* topk_weights;              // (T * k,)
-  const __nv_bfloat16* z;                 // (max_padded, 2H): [g | u] per padded row
+  __nv_bfloat16* z;                       // (max_padded, 2H): [g | u] per padded row
   const int32_t* pair_to_row;             // (T * k,): padded row, -1 for a dropped pair
   __nv_bfloat16* dx;                      // (T, D) or null
   __nv_bfloat16* dw;                      // (E, 2H, D) or null
   __nv_bfloat16* dw2;                     // (E, D, H) or null
   float* dtopk_weights;                   // (T * k,) or null
+  // dz into z's memory: dh reads a row's g, u and writes its dz at the same addresses (the
+  // same thread, loads first), which saves the (max_padded, 2H) workspace. Only when z is
+  // not read again (autograd does not keep the graph).
+  bool overwrite_z = false;
   int64_t num_tokens, dim, hidden_dim, num_experts, top_k, max_padded, block_m;
   int device;
 };
