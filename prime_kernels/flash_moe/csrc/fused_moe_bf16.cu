@@ -312,7 +312,8 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
     if (err != cudaSuccess) return err;
   }
   if (c.split) {
-    CombineParams cp{ws.y, ws.pair_to_row, pr.topk_weights, pr.out, int(pr.dim), int(pr.top_k)};
+    CombineParams cp{ws.y,        ws.pair_to_row, pr.topk_weights,   pr.out,
+                     int(pr.dim), int(pr.top_k),  int(pr.max_padded)};
     moe_combine_kernel<<<unsigned(pr.num_tokens), kCombineThreads, 0, stream>>>(cp);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;

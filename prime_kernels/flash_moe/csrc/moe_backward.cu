@@ -54,7 +54,7 @@ struct Workspace {
   __nv_bfloat16* dz;       // (max_padded, 2H): z's memory with overwrite_z
   __nv_bfloat16* y1s_dxe;  // y1s (max_padded, H) for dw2, then dxe (max_padded, D) for dx
   float* ds_part;          // (T * k, slices) when the routing weights' gradient is asked
-  int32_t* segments;       // (2E,)
+  int32_t* segments;       // (2E,): starts[E], then ends[E]
   size_t bytes;
 };
 
@@ -155,7 +155,11 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
 
   // Expert segments (only the weight gradients read them).
   if (pr.dw != nullptr || pr.dw2 != nullptr) {
-    err = cudaMemsetAsync(ws.segments, 0, size_t(2 * E) * sizeof(int32_t), stream);
+    // starts[E] at INT32 0x7F7F7F7F (above any row), ends[E] at 0: an expert no block names
+    // keeps an empty range.
+    err = cudaMemsetAsync(ws.segments, 0x7F, size_t(E) * sizeof(int32_t), stream);
+    if (err != cudaSuccess) return err;
+    err = cudaMemsetAsync(ws.segments + E, 0, size_t(E) * sizeof(int32_t), stream);
     if (err != cudaSuccess) return err;
     const int blocks = int(pr.max_padded / pr.block_m);
     moe_expert_segments_kernel<<<(blocks + kSegmentThreads - 1) / kSegmentThreads, kSegmentThreads,
@@ -183,7 +187,7 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
   dh.k_dim = D;
   dh.n_dim = H;
   dh.b_rows_per_expert = D;
-  dh.out = ws.dz;
+  dh.out = pr.dx != nullptr || pr.dw != nullptr ? ws.dz : nullptr;  // only dxe and dW read dz
   dh.ld_out = 2 * H;
   dh.z = pr.z;
   dh.y1s = pr.dw2 != nullptr ? ws.y1s_dxe : nullptr;
@@ -215,7 +219,8 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
     if ((err = launch_with_ring<DxKernel>(tmap_dz_rows, tmap_w_t, dxe, pr.device, num_sms,
                                           stream)) != cudaSuccess)
       return err;
-    const CombineParams cp{ws.y1s_dxe, pr.pair_to_row, nullptr, pr.dx, D, int(pr.top_k)};
+    const CombineParams cp{ws.y1s_dxe, pr.pair_to_row, nullptr,           pr.dx,
+                           D,          int(pr.top_k),  int(pr.max_padded)};
     moe_combine_kernel<<<unsigned(pr.num_tokens), kCombineThreads, 0, stream>>>(cp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
@@ -235,7 +240,8 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
   if (pr.dtopk_weights != nullptr) {
     moe_routing_weight_grad_kernel<<<(num_pairs + kRoutingGradThreads - 1) / kRoutingGradThreads,
                                      kRoutingGradThreads, 0, stream>>>(
-        ws.ds_part, routing_grad_slices(H), pr.pair_to_row, num_pairs, pr.dtopk_weights);
+        ws.ds_part, routing_grad_slices(H), pr.pair_to_row, num_pairs, int(pr.max_padded),
+        pr.dtopk_weights);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -20,6 +20,7 @@ struct CombineParams {
   const float* topk_weights;   // (T * k,), or null for weights of 1
   __nv_bfloat16* out;          // (T, D)
   int dim, top_k;
+  int rows;  // rows of y (max_padded): a row outside [0, rows) counts as no row
 };
 
 constexpr int kCombineThreads = 128;
@@ -41,6 +42,7 @@ static __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
       for (int u = 0; u < kCombinePairsInFlight; ++u) {
         row[u] = j0 + u < p.top_k ? p.pair_to_row[pair0 + j0 + u] : -1;
+        if (row[u] >= p.rows) row[u] = -1;
         v[u] = row[u] >= 0 ? *reinterpret_cast<const uint4*>(p.y + size_t(row[u]) * p.dim + c)
                            : make_uint4(0, 0, 0, 0);
       }
@@ -69,11 +71,12 @@ constexpr int kRoutingGradThreads = 256;
 
 static __global__ void __launch_bounds__(kRoutingGradThreads)
     moe_routing_weight_grad_kernel(const float* ds_part, int ld_ds, const int32_t* pair_to_row,
-                                   int num_pairs, float* ds) {
+                                   int num_pairs, int rows, float* ds) {
   const int pair = blockIdx.x * kRoutingGradThreads + threadIdx.x;
   if (pair >= num_pairs) return;
   float sum = 0.f;
-  if (pair_to_row[pair] >= 0)
+  const int row = pair_to_row[pair];
+  if (row >= 0 && row < rows)
     for (int n = 0; n < ld_ds; ++n) sum += ds_part[size_t(pair) * ld_ds + n];
   ds[pair] = sum;
 }

@@ -151,8 +151,8 @@ __device__ __forceinline__ __nv_bfloat162 bit_cast_bf162(uint32_t v) {
 // routing weight (dW2's B operand);  ds_part[pair][slice] = sum over the consumer's columns
 // (one n tile at block_m = 128) of dh' h (the routing weight's gradient <dO_t, y> = <dh', h>
 // without y). Rows with no routed
-// pair get zeros in dz and y1s, which the weight gradients read as K rows. A null y1s or
-// ds_part is an output not asked for (w2 or the routing weights frozen).
+// pair get zeros in dz and y1s, which the weight gradients read as K rows. A null dz (out),
+// y1s or ds_part is an output nothing asked for (x and w, w2, or the routing weights frozen).
 struct SwiGluBackward {
   static constexpr int kNumB = 1;
   static constexpr bool kWritesPaddingRows = true;
@@ -222,8 +222,10 @@ struct SwiGluBackward {
         quad_transpose(y);
         const int col = col0 + 32 * a + lane_col;
         if (col >= H) continue;
-        *reinterpret_cast<uint4*>(dz + col) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
-        *reinterpret_cast<uint4*>(dz + H + col) = make_uint4(du[0], du[1], du[2], du[3]);
+        if (p.out != nullptr) {
+          *reinterpret_cast<uint4*>(dz + col) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+          *reinterpret_cast<uint4*>(dz + H + col) = make_uint4(du[0], du[1], du[2], du[3]);
+        }
         if (p.y1s != nullptr)
           *reinterpret_cast<uint4*>(y1s + col) = make_uint4(y[0], y[1], y[2], y[3]);
       }

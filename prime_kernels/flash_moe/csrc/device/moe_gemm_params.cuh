@@ -38,7 +38,8 @@ struct MoeGemmParams {
   __nv_bfloat16* y1s;
   float* ds_part;
   int ld_ds;
-  // K-grouped: expert e's padded rows are [segments[2e], segments[2e + 1]) (empty: 0, 0).
+  // K-grouped: expert e's padded rows are [segments[e], segments[E + e]) (empty: start >=
+  // end).
   const int32_t* segments;
 };
 

@@ -103,8 +103,8 @@ struct ExpertKScheduler {
     const int within = t - w.expert * per_expert;
     w.row0 = (within / num_n_tiles) * block_m;
     w.n0 = (within % num_n_tiles) * block_n;
-    const int begin = p.segments[2 * w.expert];
-    const int end = min(p.segments[2 * w.expert + 1], npp);
+    const int begin = p.segments[w.expert];
+    const int end = min(p.segments[num_experts + w.expert], npp);
     w.k_row0 = begin;
     w.num_k_blocks = end > begin ? (end - begin) / 64 : 0;
     return true;
@@ -112,9 +112,11 @@ struct ExpertKScheduler {
 };
 
 // ExpertKScheduler's input from moe_align's layout: expert e's padded rows [start, end) as
-// segments[2e], segments[2e + 1], from the first and last block below the padded total
-// whose expert_ids entry is e (each expert's blocks are consecutive). segments starts
-// zeroed: an expert with no block keeps [0, 0). One thread per block.
+// segments[e] (starts) and segments[E + e] (ends): the least and the greatest row of the
+// blocks below the padded total whose expert_ids entry is e. In moe_align's layout each
+// expert's blocks are consecutive; with any other expert_ids the range still holds (min and
+// max do not depend on the order of the atomics), it just spans other experts' rows too.
+// segments starts as starts = 0x7F7F7F7F, ends = 0. One thread per block.
 constexpr int kSegmentThreads = 256;
 
 static __global__ void __launch_bounds__(kSegmentThreads)
@@ -127,9 +129,8 @@ static __global__ void __launch_bounds__(kSegmentThreads)
   if (block >= num_blocks) return;
   const int e = expert_ids[block];
   if (e < 0 || e >= num_experts) return;
-  if (block == 0 || expert_ids[block - 1] != e) segments[2 * e] = block * block_m;
-  if (block == num_blocks - 1 || expert_ids[block + 1] != e)
-    segments[2 * e + 1] = min((block + 1) * block_m, npp);
+  atomicMin(&segments[e], block * block_m);
+  atomicMax(&segments[num_experts + e], min((block + 1) * block_m, npp));
 }
 
 }  // namespace prime_moe
