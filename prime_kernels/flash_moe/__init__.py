@@ -37,6 +37,7 @@ __all__ = [
     "moe_align",
     "moe_align_max_padded",
     "pack_scales_blocked",
+    "quantize_mxfp8",
     "set_num_sms",
     "unpack_scales_blocked",
     "unsupported_shape_reason",
@@ -109,6 +110,21 @@ def unpack_scales_blocked(packed: torch.Tensor, mn: int) -> torch.Tensor:
         )
     rows = packed.view(torch.uint8).reshape(*packed.shape[:-1], mn, packed.shape[-1] // mn)
     return mxfp8.unpack_scales_blocked(rows).view(torch.float8_e8m0fnu)
+
+
+def quantize_mxfp8(
+    x: torch.Tensor, *, rounding: str = "rceil", blocked: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 quantization on the GPU, bit for bit :func:`mxfp8.quantize_mxfp8` (whose
+    docstring gives the rules: scale per 32 elements of the last dim, ``rounding`` "rceil"
+    as the consumer quantizes or "floor" as the kernel re-quantizes, NaN/Inf blocks all NaN).
+    ``x``: bf16 (T, K) activations or (E, N, K) weights. Returns ``(values, scales)``:
+    float8_e4m3fn like ``x`` and float8_e8m0fnu, row-major (..., K/32), or with ``blocked``
+    each (N, K/32) in :func:`pack_scales_blocked`'s layout, shape (E, N*K/32) (needs
+    N % 128 == 0 and (K/32) % 4 == 0)."""
+    if rounding not in ("rceil", "floor"):
+        raise ValueError(f"rounding must be 'rceil' or 'floor', got {rounding!r}")
+    return torch.ops.prime_moe.quantize_mxfp8(x, rounding == "rceil", blocked)
 
 
 def moe_align_max_padded(num_pairs: int, num_experts: int, pad: int) -> int:
@@ -239,6 +255,18 @@ if EXTENSION_BUILT:
         split=True,
     ):
         return None
+
+    @torch.library.register_fake("prime_moe::quantize_mxfp8")
+    def _quantize_mxfp8_fake(x, rceil=True, blocked=False):
+        k_blocks = x.shape[-1] // MXFP8_SCALE_BLOCK
+        if blocked:
+            scale_shape = (*x.shape[:-2], x.shape[-2] * k_blocks)
+        else:
+            scale_shape = (*x.shape[:-1], k_blocks)
+        return (
+            x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty(scale_shape, dtype=torch.float8_e8m0fnu),
+        )
 
     @torch.library.register_fake("prime_moe::moe_forward")
     def _moe_forward_fake(

@@ -21,6 +21,7 @@
 #include "fused_moe_bf16.h"
 #include "moe_align.h"
 #include "moe_backward.h"
+#include "mxfp8_quantize.h"
 #include "prime_kernels/binding.h"
 
 namespace prime_moe {
@@ -298,6 +299,55 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
   return {dx, dw, dw2, dtopk_weights};
 }
 
+// MXFP8 quantization of a bf16 tensor along its last dim, bit for bit mxfp8.quantize_mxfp8:
+// (values e4m3 like x, scales e8m0). Activations (T, K): scales row-major (T, K/32).
+// Weights (E, N, K) with blocked: each expert's (N, K/32) scales in pack_scales_blocked's
+// layout, shape (E, N * K/32), as flash_moe.pack_scales_blocked returns them.
+std::tuple<Tensor, Tensor> quantize_mxfp8(Tensor x, bool rceil, bool blocked) {
+  constexpr const char* op = "quantize_mxfp8";
+  if (x.scalar_type() != ScalarType::BFloat16) {
+    fail(op, "argument 'x' must be a torch.bfloat16 tensor, got ", dtype_name(x.scalar_type()));
+  }
+  if (x.dim() != 2 && x.dim() != 3) {
+    fail(op, "argument 'x' must be 2-D (T, K) or 3-D (E, N, K), got shape ", shape_of(x));
+  }
+  if (!x.is_contiguous()) {
+    fail(op, "argument 'x' must be contiguous, got shape ", shape_of(x),
+         " with non-contiguous strides");
+  }
+  const int64_t k = x.size(-1), n_rows = x.size(-2);
+  const int64_t rows = x.dim() == 3 ? x.size(0) * n_rows : n_rows;
+  if (k % kMxfp8ScaleBlock != 0) {
+    fail(op, "argument 'x' has shape ", shape_of(x), ": its last dim must be a multiple of ",
+         kMxfp8ScaleBlock, " (one scale per ", kMxfp8ScaleBlock, " elements)");
+  }
+  const int64_t k_blocks = k / kMxfp8ScaleBlock;
+  if (blocked && (n_rows % 128 != 0 || k_blocks % 4 != 0)) {
+    fail(op, "argument 'x' has shape ", shape_of(x),
+         ": the blocked scale layout needs rows (shape[-2]) % 128 == 0 and (K/32) % 4 == 0; "
+         "pad first");
+  }
+  if (!x.is_cuda()) fail(op, "argument 'x' must be on a CUDA device, got a CPU tensor");
+  const int32_t device = x.get_device_index();
+  torch::stable::accelerator::DeviceGuard guard(device);
+  std::vector<int64_t> value_shape, scale_shape;
+  for (int64_t d = 0; d < x.dim(); ++d) value_shape.push_back(x.size(d));
+  if (blocked) {
+    if (x.dim() == 3) scale_shape.push_back(x.size(0));
+    scale_shape.push_back(n_rows * k_blocks);
+  } else {
+    scale_shape = value_shape;
+    scale_shape.back() = k_blocks;
+  }
+  Tensor values = torch::stable::new_empty(x, value_shape, ScalarType::Float8_e4m3fn);
+  Tensor scales = torch::stable::new_empty(x, scale_shape, ScalarType::Float8_e8m0fnu);
+  check_cuda(op, launch_mxfp8_quantize(static_cast<const __nv_bfloat16*>(x.const_data_ptr()),
+                                       static_cast<uint8_t*>(values.mutable_data_ptr()),
+                                       static_cast<uint8_t*>(scales.mutable_data_ptr()), rows, k,
+                                       n_rows, rceil, blocked, current_stream(device)));
+  return {values, scales};
+}
+
 }  // namespace
 }  // namespace prime_moe
 
@@ -310,6 +360,9 @@ STABLE_TORCH_LIBRARY(prime_moe, m) {
       "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
       "Tensor(a!) out, int top_k, int block_m=128, int block_n=0, int warp_n=0, "
       "int stages=0, int bpc=1, int cpc=0, bool split=True) -> ()");
+  m.def(
+      "quantize_mxfp8(Tensor x, bool rceil=True, bool blocked=False) -> "
+      "(Tensor values, Tensor scales)");
   m.def(
       "moe_forward(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
       "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k) -> "
@@ -327,6 +380,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
   m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
   m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
+  m.impl("quantize_mxfp8", TORCH_BOX(&prime_moe::quantize_mxfp8));
 }
 
 // CPU tensors reach the same checks, so they get the message naming the argument and the
@@ -336,6 +390,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_moe, CPU, m) {
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
   m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
   m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
+  m.impl("quantize_mxfp8", TORCH_BOX(&prime_moe::quantize_mxfp8));
 }
 
 // The extension module carries the constants and the SM setting; the ops live in

@@ -1,0 +1,20 @@
+// Host interface of the MXFP8 quantizers (device/mxfp8_quantize.cuh). Torch-free: the binding
+// checks tensors and calls this.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace prime_moe {
+
+// x: (rows, K) bf16, K % 32 == 0; values: (rows, K) e4m3 bytes; scales: (rows, K/32) bytes,
+// row-major, or with `blocked` the layout of pack_scales_blocked per group of n_rows rows
+// (n_rows % 128 == 0, (K/32) % 4 == 0, rows % n_rows == 0). rceil: the consumer's scale
+// rounding; otherwise floor (the kernel's own re-quantization). No host synchronization.
+cudaError_t launch_mxfp8_quantize(const __nv_bfloat16* x, uint8_t* values, uint8_t* scales,
+                                  int64_t rows, int64_t k, int64_t n_rows, bool rceil, bool blocked,
+                                  cudaStream_t stream);
+
+}  // namespace prime_moe
