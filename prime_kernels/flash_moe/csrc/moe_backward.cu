@@ -9,7 +9,8 @@
 //   dw2       dW2_e = gather(dO)^T y1s over e's rows (D x H x rows, K-grouped);
 //   dx        dxe = dz w_e (rows x D x 2H; w read transposed), then the combine sums each
 //             token's k rows in order j = 0..k-1;
-//   dw        dW_e = dz^T gather(x) over e's rows (2H x D x rows, K-grouped);
+//   dw        x gathered into padded-row order (xs), then dW_e = dz^T xs over e's rows
+//             (2H x D x rows, K-grouped; both operands by TMA);
 //   ds        ds[p] = sum of p's <dh', h> slices, in slice order.
 // Nothing is accumulated with atomics and every sum has a fixed order, so the gradients are
 // bitwise repeatable. A weight gradient is one CTA per output tile over all of the
@@ -38,8 +39,12 @@ using DhKernel = MoeGemm<DhTile, GatherTokenRows<DhTile>, SwiGluBackward, TmaWei
 using DxKernel = MoeGemm<WideTile, TmaRows<WideTile>, StoreRows, TmaWeightTilesMN<WideTile>>;
 using Dw2Kernel = MoeGemm<WideTile, GatherRowsAlongK<WideTile, Side::kA>, StoreExpertTile,
                           TmaRowsAlongK<WideTile, Side::kB>, ExpertKScheduler>;
+// dW reads x in padded-row order from a gathered copy (moe_gather_rows_kernel): gathering its
+// 256-wide side along K inside the GEMM ran at 190 TFLOP/s (Qwen3-30B-A3B T = 32768), both
+// sides by TMA at dxe's 600; the copy costs a read and a write of the rows, in a buffer that
+// is free by then.
 using DwKernel = MoeGemm<WideTile, TmaRowsAlongK<WideTile, Side::kA>, StoreExpertTile,
-                         GatherRowsAlongK<WideTile, Side::kB>, ExpertKScheduler>;
+                         TmaRowsAlongK<WideTile, Side::kB>, ExpertKScheduler>;
 
 constexpr int kMaxStages = 8;
 constexpr int kMinStages = 2;
@@ -51,10 +56,11 @@ int routing_grad_slices(int64_t hidden_dim) {
 }
 
 struct Workspace {
-  __nv_bfloat16* dz;       // (max_padded, 2H): z's memory with overwrite_z
-  __nv_bfloat16* y1s_dxe;  // y1s (max_padded, H) for dw2, then dxe (max_padded, D) for dx
-  float* ds_part;          // (T * k, slices) when the routing weights' gradient is asked
-  int32_t* segments;       // (2E,): starts[E], then ends[E]
+  __nv_bfloat16* dz;    // (max_padded, 2H): z's memory with overwrite_z
+  __nv_bfloat16* rows;  // y1s (max_padded, H) for dw2, dxe (max_padded, D) for dx, then xs
+                        // (max_padded, D) for dw
+  float* ds_part;       // (T * k, slices) when the routing weights' gradient is asked
+  int32_t* segments;    // (2E,): starts[E], then ends[E]
   size_t bytes;
 };
 
@@ -69,9 +75,11 @@ Workspace carve_workspace(const MoeBackwardProblem& pr, void* base) {
     ws.dz = reinterpret_cast<__nv_bfloat16*>(p + off);
     off += align256(rows * 2 * pr.hidden_dim * sizeof(__nv_bfloat16));
   }
-  // dxe is written after dw2 has read y1s (stream order), so they share one buffer.
-  const int64_t width = pr.dx != nullptr && pr.dim > pr.hidden_dim ? pr.dim : pr.hidden_dim;
-  ws.y1s_dxe = reinterpret_cast<__nv_bfloat16*>(p + off);
+  // dxe is written after dw2 has read y1s, xs after the combine has read dxe (stream order),
+  // so the three share one buffer.
+  const bool rows_of_dim = pr.dx != nullptr || pr.dw != nullptr;
+  const int64_t width = rows_of_dim && pr.dim > pr.hidden_dim ? pr.dim : pr.hidden_dim;
+  ws.rows = reinterpret_cast<__nv_bfloat16*>(p + off);
   off += align256(rows * width * sizeof(__nv_bfloat16));
   if (pr.dtopk_weights != nullptr) {
     ws.ds_part = reinterpret_cast<float*>(p + off);
@@ -169,7 +177,7 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
   }
 
   using prime_kernels::make_tma_2d_bf16_sw128;
-  CUtensorMap tmap_w2_t, tmap_w_t, tmap_dz_rows, tmap_dz_k, tmap_y1s_k;
+  CUtensorMap tmap_w2_t, tmap_w_t, tmap_dz_rows, tmap_dz_k, tmap_y1s_k, tmap_xs_k;
   if ((err = make_tma_2d_bf16_sw128(&tmap_w2_t, pr.w2, uint64_t(E) * D, H, 64)) != cudaSuccess)
     return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_w_t, pr.w, uint64_t(E) * 2 * H, D, 64)) != cudaSuccess)
@@ -178,8 +186,8 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
       cudaSuccess)
     return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_dz_k, ws.dz, rows, 2 * H, 64)) != cudaSuccess) return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_y1s_k, ws.y1s_dxe, rows, H, 64)) != cudaSuccess)
-    return err;
+  if ((err = make_tma_2d_bf16_sw128(&tmap_y1s_k, ws.rows, rows, H, 64)) != cudaSuccess) return err;
+  if ((err = make_tma_2d_bf16_sw128(&tmap_xs_k, ws.rows, rows, D, 64)) != cudaSuccess) return err;
 
   // dh, with the SwiGLU backward: dz, y1s, <dh', h> slices.
   MoeGemmParams dh = g;
@@ -190,7 +198,7 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
   dh.out = pr.dx != nullptr || pr.dw != nullptr ? ws.dz : nullptr;  // only dxe and dW read dz
   dh.ld_out = 2 * H;
   dh.z = pr.z;
-  dh.y1s = pr.dw2 != nullptr ? ws.y1s_dxe : nullptr;
+  dh.y1s = pr.dw2 != nullptr ? ws.rows : nullptr;
   dh.ds_part = ws.ds_part;
   dh.ld_ds = routing_grad_slices(H);
   if ((err = launch_with_ring<DhKernel>(tmap_w2_t, tmap_w2_t, dh, pr.device, num_sms, stream)) !=
@@ -214,25 +222,30 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
     dxe.k_dim = 2 * H;
     dxe.n_dim = D;
     dxe.b_rows_per_expert = 2 * H;
-    dxe.out = ws.y1s_dxe;
+    dxe.out = ws.rows;
     dxe.ld_out = D;
     if ((err = launch_with_ring<DxKernel>(tmap_dz_rows, tmap_w_t, dxe, pr.device, num_sms,
                                           stream)) != cudaSuccess)
       return err;
-    const CombineParams cp{ws.y1s_dxe, pr.pair_to_row, nullptr,           pr.dx,
-                           D,          int(pr.top_k),  int(pr.max_padded)};
+    const CombineParams cp{ws.rows, pr.pair_to_row, nullptr,           pr.dx,
+                           D,       int(pr.top_k),  int(pr.max_padded)};
     moe_combine_kernel<<<unsigned(pr.num_tokens), kCombineThreads, 0, stream>>>(cp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
 
   if (pr.dw != nullptr) {
+    const GatherRowsParams gp{
+        pr.x,          pr.sorted_token_ids, pr.num_tokens_post_padded, ws.rows, D,
+        int(pr.top_k), num_pairs,           int(pr.max_padded)};
+    moe_gather_rows_kernel<<<unsigned((pr.max_padded + kGatherRowsPerCta - 1) / kGatherRowsPerCta),
+                             kGatherRowsThreads, 0, stream>>>(gp);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
     MoeGemmParams dw = g;
-    dw.x = pr.x;
     dw.m_dim = 2 * H;
     dw.n_dim = D;
     dw.out = pr.dw;
     dw.ld_out = D;
-    if ((err = launch_with_ring<DwKernel>(tmap_dz_k, tmap_dz_k, dw, pr.device, num_sms, stream)) !=
+    if ((err = launch_with_ring<DwKernel>(tmap_dz_k, tmap_xs_k, dw, pr.device, num_sms, stream)) !=
         cudaSuccess)
       return err;
   }
