@@ -48,9 +48,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.self_test else "cuda")
     timer = harness.Timer(device, args.warmup_ms, args.rep_ms)
+    shapes = SELF_TEST_SHAPES if args.self_test else SHAPES
     if args.self_test:
-        shapes = SELF_TEST_SHAPES
-
         def quantize(x, rounding, blocked):
             values, scales = mxfp8.quantize_mxfp8(x, rounding=rounding)
             if blocked:
