@@ -50,6 +50,7 @@ def main(argv=None):
     timer = harness.Timer(device, args.warmup_ms, args.rep_ms)
     shapes = SELF_TEST_SHAPES if args.self_test else SHAPES
     if args.self_test:
+
         def quantize(x, rounding, blocked):
             values, scales = mxfp8.quantize_mxfp8(x, rounding=rounding)
             if blocked:

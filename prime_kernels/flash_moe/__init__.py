@@ -124,7 +124,8 @@ def quantize_mxfp8(
     N % 128 == 0 and (K/32) % 4 == 0)."""
     if rounding not in ("rceil", "floor"):
         raise ValueError(f"rounding must be 'rceil' or 'floor', got {rounding!r}")
-    return torch.ops.prime_moe.quantize_mxfp8(x, rounding == "rceil", blocked)
+    values, scale_bits = torch.ops.prime_moe.quantize_mxfp8(x, rounding == "rceil", blocked)
+    return values, scale_bits.view(torch.float8_e8m0fnu)
 
 
 def moe_align_max_padded(num_pairs: int, num_experts: int, pad: int) -> int:
@@ -265,7 +266,7 @@ if EXTENSION_BUILT:
             scale_shape = (*x.shape[:-1], k_blocks)
         return (
             x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
-            x.new_empty(scale_shape, dtype=torch.float8_e8m0fnu),
+            x.new_empty(scale_shape, dtype=torch.uint8),
         )
 
     @torch.library.register_fake("prime_moe::moe_forward")

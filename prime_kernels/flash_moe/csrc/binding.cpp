@@ -300,9 +300,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
 }
 
 // MXFP8 quantization of a bf16 tensor along its last dim, bit for bit mxfp8.quantize_mxfp8:
-// (values e4m3 like x, scales e8m0). Activations (T, K): scales row-major (T, K/32).
-// Weights (E, N, K) with blocked: each expert's (N, K/32) scales in pack_scales_blocked's
-// layout, shape (E, N * K/32), as flash_moe.pack_scales_blocked returns them.
+// (values e4m3 like x, the bits of the e8m0 scales as uint8). Activations (T, K): scales row-major
+// (T, K/32). Weights (E, N, K) with blocked: each expert's (N, K/32) scales in
+// pack_scales_blocked's layout, shape (E, N * K/32), as flash_moe.pack_scales_blocked returns them.
 std::tuple<Tensor, Tensor> quantize_mxfp8(Tensor x, bool rceil, bool blocked) {
   constexpr const char* op = "quantize_mxfp8";
   if (x.scalar_type() != ScalarType::BFloat16) {
@@ -340,7 +340,8 @@ std::tuple<Tensor, Tensor> quantize_mxfp8(Tensor x, bool rceil, bool blocked) {
     scale_shape.back() = k_blocks;
   }
   Tensor values = torch::stable::new_empty(x, value_shape, ScalarType::Float8_e4m3fn);
-  Tensor scales = torch::stable::new_empty(x, scale_shape, ScalarType::Float8_e8m0fnu);
+  // The scales' bytes: the stable ABI has no e8m0 dtype, flash_moe.quantize_mxfp8 views them.
+  Tensor scales = torch::stable::new_empty(x, scale_shape, ScalarType::Byte);
   check_cuda(op, launch_mxfp8_quantize(static_cast<const __nv_bfloat16*>(x.const_data_ptr()),
                                        static_cast<uint8_t*>(values.mutable_data_ptr()),
                                        static_cast<uint8_t*>(scales.mutable_data_ptr()), rows, k,
