@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "device/combine.cuh"
@@ -24,20 +25,35 @@
 namespace prime_moe {
 namespace {
 
-// The forward's kernels for one gate/up tile of block_m x block_n. The down GEMM's tile is
-// 2 * block_n wide, so that both GEMMs' stages are the same size and share one stage count.
+// The forward's kernels for one gate/up tile of block_m x block_n.
+// The down GEMM (K = H, often only 12 K steps) spends a large share of each tile in its
+// epilogue; at the large tile it runs ping-pong 128 x 128 tiles, one warpgroup's stores
+// under the other's mainloop (Qwen3-30B-A3B T = 32768: cooperative 128 x 256 at ~465
+// TFLOP/s). Elsewhere (decode sizes, block_m = 64) it is cooperative and 2 * block_n wide,
+// so that both GEMMs' stages are the same size.
 template <int kBlockM, int kBlockN>
 struct ForwardKernels {
+  static constexpr bool kDownPingPong = kBlockM == 128 && kBlockN == 128;
   using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
-  using DownTile = MoeGemmTile<kBlockM, 2 * kBlockN, 1>;
+  using DownTile = MoeGemmTile<kBlockM, kDownPingPong ? kBlockN : 2 * kBlockN, 1>;
+  template <class Epilogue>
+  using DownGemm =
+      std::conditional_t<kDownPingPong,
+                         MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, TmaWeightTiles<DownTile>,
+                                 MoeTileScheduler, PingPongConsumers>,
+                         MoeGemm<DownTile, TmaRows<DownTile>, Epilogue>>;
   using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToH<false>>;
   using GateUpKeepZ = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToH<true>>;
-  using DownStore = MoeGemm<DownTile, TmaRows<DownTile>, StoreRows>;
-  using DownAtomic = MoeGemm<DownTile, TmaRows<DownTile>, WeightedAtomicAdd>;
-  static_assert(GateUpTile::kStageBytes == DownTile::kStageBytes,
-                "one stage count serves both GEMMs");
-  static_assert(GateUp::smem_bytes(3) == DownStore::smem_bytes(3));
-  static constexpr size_t smem_bytes(int stages) { return GateUp::smem_bytes(stages); }
+  using DownStore = DownGemm<StoreRows>;
+  using DownAtomic = DownGemm<WeightedAtomicAdd>;
+  static_assert(DownStore::smem_bytes(3) == DownAtomic::smem_bytes(3));
+
+  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (a 128 x 128
+  // down stage is 32 KB against gate/up's 48 KB: 6 stages for 4), as far as the device holds.
+  static int down_stages(int stages, int device, int max_stages) {
+    const int same_bytes = int(stages * GateUpTile::kStageBytes / DownTile::kStageBytes);
+    return std::min(same_bytes, ring_stages<DownStore>(device, max_stages));
+  }
 };
 
 // The (block_m, block_n) tiles this build instantiates: the only place their values are
@@ -289,8 +305,6 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
     err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_h, ws.h, uint64_t(pr.max_padded), H,
                                                 uint32_t(pr.block_m));
     if (err != cudaSuccess) return err;
-    err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_w2, pr.w2, uint64_t(E) * D, H, 2 * c.block_n);
-    if (err != cudaSuccess) return err;
     MoeGemmParams down = g;
     down.out = c.split ? ws.y : pr.out;
     down.ld_out = D;
@@ -305,6 +319,10 @@ cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeB
                 ? launch_gemm<typename K::GateUpKeepZ>(tmap_w, tmap_w, gate_up, num_sms, stream)
                 : launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
       if (err != cudaSuccess) return;
+      err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_w2, pr.w2, uint64_t(E) * D, H,
+                                                  K::DownTile::kBlockN);
+      if (err != cudaSuccess) return;
+      down.stages = K::down_stages(c.stages, pr.device, kMaxStages);
       err = c.split ? launch_gemm<typename K::DownStore>(tmap_h, tmap_w2, down, num_sms, stream)
                     : launch_gemm<typename K::DownAtomic>(tmap_h, tmap_w2, down, num_sms, stream);
     });
@@ -326,9 +344,16 @@ std::string describe_fused_moe_bf16_config(const FusedMoeBf16Problem& pr,
                                            const FusedMoeBf16Config& c) {
   const std::string bm = std::to_string(pr.block_m);
   const std::string bn = std::to_string(c.block_n);
+  std::string down = "?";
+  with_forward_kernels(int(pr.block_m), c.block_n, [&](auto kernels) {
+    using K = decltype(kernels);
+    down = bm + "x" + std::to_string(K::DownTile::kBlockN) +
+           (K::kDownPingPong ? " ping-pong" : " cooperative") + ", " +
+           std::to_string(K::down_stages(c.stages, pr.device, kMaxStages)) + " stages";
+  });
   std::string text =
       "fused_moe_bf16 sm_90a: block_m=" + bm + " block_n=" + bn + " (gate/up tile " + bm + "x(" +
-      bn + "+" + bn + "), down tile " + bm + "x" + std::to_string(2 * c.block_n) +
+      bn + "+" + bn + ") cooperative, down tile " + down +
       ") consumer warpgroups=" + std::to_string(c.warp_n) + " stages=" + std::to_string(c.stages) +
       " bpc=" + std::to_string(c.bpc) + " cpc=" + std::to_string(c.cpc) +
       (c.split ? " split=true" : " split=false") + " sms=" + std::to_string(usable_sms(pr.device)) +

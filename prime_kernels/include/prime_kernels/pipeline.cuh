@@ -20,6 +20,12 @@ struct RingState {
       phase ^= 1;
     }
   }
+  // Past `count` stages another consumer takes (a ping-pong schedule's other warpgroup).
+  __device__ __forceinline__ void advance(int stages, int count) {
+    const int next = stage + count;
+    phase ^= uint32_t(next / stages) & 1;
+    stage = next % stages;
+  }
 };
 
 struct StageRing {

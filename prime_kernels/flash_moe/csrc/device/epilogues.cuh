@@ -28,6 +28,34 @@
 
 namespace prime_moe {
 
+// 4x4 transpose of 32-bit words across the 4 lanes of a quad: before, lane q holds
+// v[t] = W[t][q]; after, v[t] = W[q][t]. Two butterfly rounds; in each, a lane swaps with
+// its partner the two slots whose bit differs from its own lane bit.
+__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4]) {
+  const int q = threadIdx.x % 4;
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {
+    const bool upper = (q & m) != 0;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int lo = m == 1 ? 2 * k : k;  // the slot with bit m clear
+      const int hi = lo + m;              // and its pair with bit m set
+      const uint32_t recv = __shfl_xor_sync(0xFFFFFFFFu, upper ? v[lo] : v[hi], m);
+      if (upper)
+        v[lo] = recv;
+      else
+        v[hi] = recv;
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ __nv_bfloat162 bit_cast_bf162(uint32_t v) {
+  return *reinterpret_cast<__nv_bfloat162*>(&v);
+}
+
 template <bool kKeepZ>
 struct SwiGluToH {
   static constexpr int kNumB = 2;  // gate tile, up tile
@@ -75,15 +103,26 @@ struct StoreRows {
                                                const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
                                                const MoeWorkTile& /*w*/, int row0, int col0) {
     using namespace prime_kernels;
+    // 16-byte stores, as in SwiGluBackward: lane q of a quad stores the 8 columns of j = 4a + q
+    // after a quad transpose, so a warp's store covers whole 32-byte sectors of its rows.
+    constexpr int kGroups = kMmas * kRegs * 2 / 32;
+    const int lane_col = 8 * (threadIdx.x % 4);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       __nv_bfloat16* dst = p.out + size_t(row0 + wgmma_acc_row(i)) * p.ld_out;
 #pragma unroll
-      for (int j = 0; j < kMmas * kRegs / 4; ++j) {
-        const int col = col0 + wgmma_acc_col(j);
+      for (int a = 0; a < kGroups; ++a) {
+        uint32_t v[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int j = 4 * a + t;
+          v[t] = bf162_bits(__floats2bfloat162_rn(wgmma_acc_at(acc, 4 * j + 2 * i),
+                                                  wgmma_acc_at(acc, 4 * j + 2 * i + 1)));
+        }
+        quad_transpose(v);
+        const int col = col0 + 32 * a + lane_col;
         if (col >= p.n_dim) continue;  // partial last n tile (D % block_n != 0)
-        *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(
-            wgmma_acc_at(acc, 4 * j + 2 * i), wgmma_acc_at(acc, 4 * j + 2 * i + 1));
+        *reinterpret_cast<uint4*>(dst + col) = make_uint4(v[0], v[1], v[2], v[3]);
       }
     }
   }
@@ -115,34 +154,6 @@ struct WeightedAtomicAdd {
     }
   }
 };
-
-// 4x4 transpose of 32-bit words across the 4 lanes of a quad: before, lane q holds
-// v[t] = W[t][q]; after, v[t] = W[q][t]. Two butterfly rounds; in each, a lane swaps with
-// its partner the two slots whose bit differs from its own lane bit.
-__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4]) {
-  const int q = threadIdx.x % 4;
-#pragma unroll
-  for (int m = 1; m <= 2; m <<= 1) {
-    const bool upper = (q & m) != 0;
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int lo = m == 1 ? 2 * k : k;  // the slot with bit m clear
-      const int hi = lo + m;              // and its pair with bit m set
-      const uint32_t recv = __shfl_xor_sync(0xFFFFFFFFu, upper ? v[lo] : v[hi], m);
-      if (upper)
-        v[lo] = recv;
-      else
-        v[hi] = recv;
-    }
-  }
-}
-
-__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-__device__ __forceinline__ __nv_bfloat162 bit_cast_bf162(uint32_t v) {
-  return *reinterpret_cast<__nv_bfloat162*>(&v);
-}
 
 // dh = dO_t w2_e^T per routed row (the accumulators: dh', before the routing weight s) and
 // the row's kept pre-activations g, u (bf16, from z) give, with h = silu(g) u recomputed in

@@ -19,7 +19,8 @@ struct WarpgroupMainloop {
   using Mma = typename Consumers::Mma;
   using ALayout = typename Consumers::ALayout;
   using BLayout = typename Consumers::BLayout;
-  using Accumulators = float[Consumers::kNumMma][Mma::kAccRegs];
+  // [64-row half of the warpgroup's rows][weight tile][wgmma registers]
+  using Accumulators = float[Consumers::kMmaM][Consumers::kNumMma][Mma::kAccRegs];
 
   // A tile this warpgroup has no work in (a 64-row half of padding) only passes its
   // stages through, so the ring stays in step with the producer.
@@ -32,7 +33,7 @@ struct WarpgroupMainloop {
     }
   }
 
-  // acc = A[m_offset .. + 64) x B[n_offset .. + kNumMma * kMmaN)^T over all K slices.
+  // acc = A[m_offset .. + 64 kMmaM) x B[n_offset .. + kNumMma * kMmaN)^T over all K slices.
   __device__ __forceinline__ static void run(Accumulators& acc,
                                              const prime_kernels::StageRing& ring,
                                              prime_kernels::RingState& rs, uint8_t* smem_a,
@@ -54,10 +55,13 @@ struct WarpgroupMainloop {
 #pragma unroll
       for (int kk = 0; kk < Tile::kBlockK / Mma::kK; ++kk) {
 #pragma unroll
-        for (int b = 0; b < Consumers::kNumMma; ++b)
-          Mma::mma(acc[b], desc_a + ALayout::kDescPerK16 * kk,
-                   desc_b + (b * Tile::kBlockN * 128 >> 4) + BLayout::kDescPerK16 * kk,
-                   (kb | kk) != 0);
+        for (int mh = 0; mh < Consumers::kMmaM; ++mh) {
+#pragma unroll
+          for (int b = 0; b < Consumers::kNumMma; ++b)
+            Mma::mma(acc[mh][b], desc_a + (mh * 64 * 128 >> 4) + ALayout::kDescPerK16 * kk,
+                     desc_b + (b * Tile::kBlockN * 128 >> 4) + BLayout::kDescPerK16 * kk,
+                     (kb | kk) != 0);
+        }
       }
       wgmma_commit();
       // Keep this K slice's wgmmas in flight; the previous slice's are done, so its stage
@@ -69,7 +73,10 @@ struct WarpgroupMainloop {
     }
     wgmma_wait<0>();
 #pragma unroll
-    for (int b = 0; b < Consumers::kNumMma; ++b) wgmma_fence_operands(acc[b]);
+    for (int mh = 0; mh < Consumers::kMmaM; ++mh) {
+#pragma unroll
+      for (int b = 0; b < Consumers::kNumMma; ++b) wgmma_fence_operands(acc[mh][b]);
+    }
     ring.consumer_release(prev_stage);
   }
 };

@@ -1,14 +1,16 @@
 // The fused MoE's grouped GEMM on sm_90a: persistent, warp-specialized, one CTA per SM,
 // composed of this folder's parts. Kernel = Tile x A loader x epilogue x B loader x
-// scheduler (the consumer schedule and the MMA mainloop follow from the tile and the
-// loaders' layouts):
+// scheduler x consumer schedule (the MMA mainloop follows from the tile, the schedule and
+// the loaders' layouts):
 //   warpgroup 0      producer: the A and B tiles of each K step into the stage ring, by TMA
 //                    (thread 0) or cp.async gathers (the loaders, loaders.cuh);
-//   warpgroups 1, 2  consumers (CooperativeConsumers): the MMA mainloop over the ring into
-//                    fp32 registers, then the epilogue from registers to global memory.
-// Tiles come from the scheduler: M-grouped over moe_align's expert blocks (the forward, and
-// the backward's activation gradients) or K-grouped over each expert's padded rows (the
-// weight gradients).
+//   warpgroups 1, 2  consumers: the MMA mainloop over the ring into fp32 registers, then
+//                    the epilogue from registers to global memory.
+// The consumers either share each tile (CooperativeConsumers) or own alternate tiles and
+// take turns at the tensor cores (PingPongConsumers: one's epilogue under the other's
+// mainloop), tile.cuh. Tiles come from the scheduler: M-grouped over moe_align's expert blocks (the
+// forward, and the backward's activation gradients) or K-grouped over each expert's padded rows
+// (the weight gradients).
 #pragma once
 
 #include <cuda.h>
@@ -28,14 +30,15 @@
 namespace prime_moe {
 
 template <class Tile_, class ALoad_, class Epilogue_, class BLoad_ = TmaWeightTiles<Tile_>,
-          class Scheduler_ = MoeTileScheduler>
+          class Scheduler_ = MoeTileScheduler,
+          template <class, class, class> class Consumers_ = CooperativeConsumers>
 struct MoeGemm {
   using Tile = Tile_;
   using ALoad = ALoad_;
   using BLoad = BLoad_;
   using Epilogue = Epilogue_;
   using Scheduler = Scheduler_;
-  using Consumers = CooperativeConsumers<Tile, typename ALoad::Layout, typename BLoad::Layout>;
+  using Consumers = Consumers_<Tile, typename ALoad::Layout, typename BLoad::Layout>;
   using Mainloop =
       WarpgroupMainloop<Tile, Consumers, ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites>;
 
@@ -53,7 +56,7 @@ struct MoeGemm {
   static constexpr int kConsumerRegs = ((kThreads / 128 * 168 - kProducerRegs) / 2) / 8 * 8;
   static constexpr uint32_t kFullArrivals = 1 + ALoad::kFullArrivals + BLoad::kFullArrivals;
   static constexpr uint32_t kStageTmaBytes = ALoad::kTmaBytes + BLoad::kTmaBytes;
-  static constexpr uint32_t kEmptyArrivals = 128 * Consumers::kWarpgroups;
+  static constexpr uint32_t kEmptyArrivals = 128 * Consumers::kWarpgroupsPerStage;
 
   static_assert(Epilogue::kNumB == Tile::kNumB, "the epilogue reads the stage's weight tiles");
   static_assert(kConsumerRegs >= 224, "the consumers keep their accumulators in registers");
@@ -65,7 +68,29 @@ struct MoeGemm {
   static_assert(!Epilogue::kWritesPaddingRows || Scheduler::kMGrouped,
                 "padding rows are rows of M-grouped tiles");
 
-  static constexpr size_t smem_bytes(int stages) { return Tile::smem_bytes(stages); }
+  // The ring, then (ping-pong) the two turn barriers.
+  static constexpr size_t smem_bytes(int stages) {
+    return Tile::smem_bytes(stages) + (Consumers::kPingPong ? 2 * sizeof(uint64_t) : 0);
+  }
+};
+
+// Ping-pong turns: turn[c] completes a phase when the other warpgroup has issued and
+// finished its mainloop, so warpgroup c may start its next one. Warpgroup 0 takes the
+// first tile without waiting; after that each waits once per tile it owns, and every wait
+// has exactly one matching phase (a warpgroup cannot signal twice before the other waited:
+// its next signal needs the other's). A signal nobody waits for (the CTA's last tile) only
+// leaves a phase completed.
+struct ConsumerTurns {
+  uint64_t* turn;  // [2], 128 arrivals (the signalling warpgroup's threads) per phase
+  uint32_t waits = 0;
+
+  __device__ __forceinline__ void wait_turn(int consumer) {
+    prime_kernels::mbarrier_wait(&turn[consumer], waits & 1);
+    ++waits;
+  }
+  __device__ __forceinline__ void pass_turn(int consumer) const {
+    prime_kernels::mbarrier_arrive(&turn[consumer ^ 1]);
+  }
 };
 
 template <class Kernel>
@@ -87,11 +112,17 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + size_t(stages) * Tile::kABytes;
   const StageRing ring(smem_b + size_t(stages) * Tile::kBBytes, stages);
+  uint64_t* turn_barriers = ring.empty + stages;
 
   const int warpgroup = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     ring.init(Kernel::kFullArrivals, Kernel::kEmptyArrivals);
+    if constexpr (Consumers::kPingPong) {
+      mbarrier_init(&turn_barriers[0], 128);
+      mbarrier_init(&turn_barriers[1], 128);
+      mbarrier_init_fence();
+    }
     if constexpr (ALoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_a);
     if constexpr (BLoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_b);
   }
@@ -136,29 +167,45 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     const int consumer = warpgroup - 1;
     const int m_offset = Consumers::m_offset(consumer);
     const int n_offset = Consumers::n_offset(consumer);
+    constexpr int kRows = 64 * Consumers::kMmaM;  // rows of the tile this warpgroup holds
+    ConsumerTurns turns{turn_barriers};
     typename Mainloop::Accumulators acc;
+    int seq = 0;  // the tile's place among the CTA's tiles with work
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       if (!sched.work(t, p, w)) continue;
+      const int this_seq = seq++;
+      if constexpr (Consumers::kPingPong) {
+        if (this_seq % 2 != consumer) {  // the other warpgroup's tile: its stages too
+          rs.advance(stages, w.num_k_blocks);
+          continue;
+        }
+        if (this_seq > 0) turns.wait_turn(consumer);
+      }
       const int row0 = w.row0 + m_offset;
       const int col0 = w.n0 + n_offset;
       bool has_work = w.num_k_blocks > 0;
+      bool skipped = false;
       if constexpr (Scheduler::kMGrouped) {
-        // A 64-row half with no routed row (the padded tail of an expert's segment: most
-        // rows at decode sizes) only passes its stages through: no wgmma. Its output rows
-        // are left unwritten unless the epilogue's zeros are read later.
-        if (!warpgroup_any(routed_pair(p, sched.npp, row0 + tid % 64) >= 0, 1 + consumer)) {
+        // Rows with no routed pair (the padded tail of an expert's segment: most rows at
+        // decode sizes) only pass their stages through: no wgmma. Their output rows are
+        // left unwritten unless the epilogue's zeros are read later.
+        if (!warpgroup_any(routed_pair(p, sched.npp, row0 + tid % kRows) >= 0, 1 + consumer)) {
           Mainloop::skip(ring, rs, w.num_k_blocks);
-          if constexpr (!Kernel::Epilogue::kWritesPaddingRows) continue;
+          skipped = true;
           has_work = false;
         }
       }
-      // An expert with no rows gets a zero weight gradient; a skipped half's padding rows
+      // An expert with no rows gets a zero weight gradient; a skipped tile's padding rows
       // are written as zeros. The accumulators are not zeroed for that: a non-wgmma write
       // to them anywhere in the kernel makes ptxas serialize every wgmma (C7515), so the
       // epilogue is told instead.
       if (has_work)
         Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.num_k_blocks);
-      Kernel::Epilogue::store(p, sched.npp, acc, has_work, w, row0, col0);
+      if constexpr (Consumers::kPingPong) turns.pass_turn(consumer);
+      if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
+#pragma unroll
+      for (int mh = 0; mh < Consumers::kMmaM; ++mh)
+        Kernel::Epilogue::store(p, sched.npp, acc[mh], has_work, w, row0 + 64 * mh, col0);
     }
   }
 }

@@ -32,8 +32,8 @@ struct MoeGemmParams {
   // Training. z: the gate/up pre-activations [g | u] per padded row (max_padded, 2H),
   // written by the training forward and read by dh's epilogue, which also writes
   // y1s = bf16(s h) (max_padded, H) and partial sums of <dh', h> per pair into ds_part
-  // (T * k, ld_ds) fp32, one column per consumer column slice of H (an n tile of dh: with
-  // block_m = 128 both consumers hold all of its columns and split the rows).
+  // (T * k, ld_ds) fp32, one column per consumer column slice of H (an n tile of dh: its
+  // warpgroup holds all of the tile's columns).
   __nv_bfloat16* z;
   __nv_bfloat16* y1s;
   float* ds_part;

@@ -37,14 +37,16 @@ struct MoeGemmTile {
 
 // Cooperative consumers: two warpgroups share each tile. With block_m = 128 each takes 64
 // rows and all columns; with block_m = 64 both take the 64 rows and half the columns each.
-// (A ping-pong schedule, each warpgroup on its own tile so one's epilogue runs under the
-// other's mainloop, is the other part that fits here.)
+// Both finish a tile together, so the tensor cores idle while they store it.
 template <class Tile, class ALayout_, class BLayout_>
 struct CooperativeConsumers {
   // How the stage's A and B tiles sit in shared memory (the loaders' layouts, wgmma.cuh).
   using ALayout = ALayout_;
   using BLayout = BLayout_;
   static constexpr int kWarpgroups = 2;
+  static constexpr bool kPingPong = false;
+  static constexpr int kWarpgroupsPerStage = 2;  // both read every stage
+  static constexpr int kMmaM = 1;                // 64-row wgmma per warpgroup
   static constexpr int kWgM = Tile::kBlockM / 64;
   static constexpr int kWgN = kWarpgroups / kWgM;
   static constexpr int kWgCols = Tile::kBlockN / kWgN;
@@ -69,6 +71,35 @@ struct CooperativeConsumers {
   __device__ __forceinline__ static int n_offset(int consumer) {
     return (consumer / kWgM) * kWgCols;
   }
+};
+
+// Ping-pong consumers: each warpgroup owns whole tiles, the CTA's tiles alternating between
+// the two, and they take turns at the tensor cores (the kernel's turn barriers): one runs
+// its mainloop while the other stores its last tile, so a tile's epilogue costs no MMA
+// time. Where the cooperative schedule splits a 128 x 256 tile into two 64 x 256 halves,
+// this one gives each warpgroup a 128 x 128 tile (two 64-row wgmmas per K slice on one B
+// tile): the same 128 accumulators a thread, a 32 KB stage instead of 48 KB.
+template <class Tile, class ALayout_, class BLayout_>
+struct PingPongConsumers {
+  using ALayout = ALayout_;
+  using BLayout = BLayout_;
+  static constexpr int kWarpgroups = 2;
+  static constexpr bool kPingPong = true;
+  static constexpr int kWarpgroupsPerStage = 1;  // a stage belongs to one tile
+  static constexpr int kMmaM = Tile::kBlockM / 64;
+  static constexpr bool kFuseB = true;  // the warpgroup has every column of the stage
+  static constexpr int kNumMma = 1;
+  static constexpr int kMmaN = Tile::kNumB * Tile::kBlockN;
+  using Mma = prime_kernels::WgmmaBf16<kMmaN, ALayout::kTrans, BLayout::kTrans>;
+
+  static_assert(kMmaN == 64 || kMmaN == 128 || kMmaN == 256,
+                "wgmma N must be one of the instantiated shapes");
+  static_assert(kMmaM * Mma::kAccRegs <= 128, "accumulators must fit the consumer register budget");
+  static_assert(!BLayout::kTrans || Tile::kNumB == 1,
+                "an MN-major weight operand takes whole 64-column chunks, one weight tile");
+
+  __device__ __forceinline__ static int m_offset(int /*consumer*/) { return 0; }
+  __device__ __forceinline__ static int n_offset(int /*consumer*/) { return 0; }
 };
 
 }  // namespace prime_moe
