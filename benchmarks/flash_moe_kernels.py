@@ -6,7 +6,8 @@
 Runs flash_moe.moe forward and backward (x, w, w2 and topk_weights requiring grad) a few
 times under torch.profiler and prints, per kernel, the mean device time per step and, for
 the GEMMs, TFLOP/s. Kernels are named by the parts they are composed of (MoeGemm's
-template arguments), so dh, dW2, dxe and dW are told apart. The step's own wall time is
+template arguments), so dh, dxe and the weight gradients are told apart (dW2 and dW
+are one kernel, so one row). The step's own wall time is
 benchmarks/flash_moe.py --training's job; this splits it.
 """
 
@@ -30,11 +31,11 @@ KERNELS = (
     ("SwiGluToH<false>", "forward gate/up", 4),
     ("StoreRows, prime_moe::TmaWeightTiles<", "forward down", 2),
     ("SwiGluBackward", "dh (SwiGLU backward epilogue)", 2),
-    ("GatherRowsAlongK", "dW2", 2),
-    ("TmaRowsAlongK<prime_moe::MoeGemmTile<128, 256, 1>, (prime_moe::Side)0>", "dW", 4),
+    # dW2 and dW are one kernel (K-grouped, both operands by TMA): one row for the two
+    ("ExpertKScheduler", "dW2 + dW", 6),
     ("StoreRows, prime_moe::TmaWeightTilesMN", "dxe", 4),
     ("moe_combine_kernel", "combine (out, then dx)", 0),
-    ("moe_gather_rows_kernel", "x in padded-row order (for dW)", 0),
+    ("moe_gather_rows_kernel", "dO, x in padded-row order (dh, dW2; dW)", 0),
     ("moe_routing_weight_grad_kernel", "routing-weight gradient", 0),
     ("moe_expert_segments_kernel", "expert segments", 0),
     ("moe_align", "moe_align", 0),

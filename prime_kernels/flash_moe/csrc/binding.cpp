@@ -256,7 +256,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
     return torch::stable::new_empty(like, need ? shape : std::vector<int64_t>{0});
   };
   Tensor dx = grad(need_dx, {T, D}, x);
-  Tensor dw = grad(need_dw, {E, 2 * H, D}, w);
   Tensor dw2 = grad(need_dw2, {E, D, H}, w2);
   Tensor dtopk_weights = grad(need_dtopk_weights, {T, top_k}, topk_weights);
 
@@ -273,7 +272,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
   problem.overwrite_z = overwrite_z;
   problem.pair_to_row = pair_to_row.const_data_ptr<int32_t>();
   problem.dx = need_dx ? static_cast<__nv_bfloat16*>(dx.mutable_data_ptr()) : nullptr;
-  problem.dw = need_dw ? static_cast<__nv_bfloat16*>(dw.mutable_data_ptr()) : nullptr;
+  problem.dw = nullptr;  // allocated once y1s's memory is released
+  problem.need_dw = need_dw;
   problem.dw2 = need_dw2 ? static_cast<__nv_bfloat16*>(dw2.mutable_data_ptr()) : nullptr;
   problem.dtopk_weights = need_dtopk_weights ? dtopk_weights.mutable_data_ptr<float>() : nullptr;
   problem.num_tokens = T;
@@ -289,13 +289,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
     fail(op, error);
   const std::string problem_error = check_moe_backward(problem);
   if (!problem_error.empty()) fail(op, problem_error);
-  if (!(need_dx || need_dw || need_dw2 || need_dtopk_weights)) return {dx, dw, dw2, dtopk_weights};
+  if (!(need_dx || need_dw || need_dw2 || need_dtopk_weights))
+    return {dx, grad(false, {}, w), dw2, dtopk_weights};
 
-  const int64_t workspace_bytes = static_cast<int64_t>(moe_backward_workspace_bytes(problem));
-  Tensor workspace =
-      torch::stable::new_empty(x, {workspace_bytes > 0 ? workspace_bytes : 1}, ScalarType::Byte);
-  check_cuda(
-      op, launch_moe_backward(problem, workspace.mutable_data_ptr(), current_stream(fwd.device)));
+  auto bytes = [&](size_t n) {
+    return torch::stable::new_empty(x, {n > 0 ? int64_t(n) : 1}, ScalarType::Byte);
+  };
+  const cudaStream_t stream = current_stream(fwd.device);
+  Tensor workspace = bytes(moe_backward_workspace_bytes(problem));
+  {
+    Tensor y1s = bytes(moe_backward_y1s_bytes(problem));
+    check_cuda(op, launch_moe_backward(problem, workspace.mutable_data_ptr(),
+                                       y1s.mutable_data_ptr(), stream));
+  }  // y1s's memory goes back to the caching allocator (stream-ordered) before dw takes its own
+  Tensor dw = grad(need_dw, {E, 2 * H, D}, w);
+  problem.dw = need_dw ? static_cast<__nv_bfloat16*>(dw.mutable_data_ptr()) : nullptr;
+  check_cuda(op, launch_moe_backward_dw(problem, workspace.mutable_data_ptr(), stream));
   return {dx, dw, dw2, dtopk_weights};
 }
 

@@ -4,14 +4,16 @@
 // Per routed pair p = (t, j) of expert e in padded row r, with s its routing weight and
 // g, u the kept pre-activations (z):
 //   segments  expert e's padded rows, for the K-grouped weight gradients;
-//   dh        dh' = gather(dO) w2_e (rows x H x D; w2 read transposed, MN-major), epilogue
+//   dOs       dO's token rows copied into padded-row order (moe_gather_rows_kernel), so
+//             that dh and dW2 read it by TMA;
+//   dh        dh' = dOs w2_e (rows x H x D; w2 read transposed, MN-major), epilogue
 //             SwiGluBackward: dz = [dg | du], y1s = bf16(s h), <dh', h> per H slice;
-//   dw2       dW2_e = gather(dO)^T y1s over e's rows (D x H x rows, K-grouped);
+//   dw2       dW2_e = dOs^T y1s over e's rows (D x H x rows, K-grouped);
 //   dx        dxe = dz w_e (rows x D x 2H; w read transposed), then the combine sums each
 //             token's k rows in order j = 0..k-1;
-//   dw        x gathered into padded-row order (xs), then dW_e = dz^T xs over e's rows
-//             (2H x D x rows, K-grouped; both operands by TMA);
-//   ds        ds[p] = sum of p's <dh', h> slices, in slice order.
+//   ds        ds[p] = sum of p's <dh', h> slices, in slice order;
+//   dw        (the second launch) x copied into padded-row order (xs), then dW_e = dz^T xs
+//             over e's rows (2H x D x rows, K-grouped).
 // Nothing is accumulated with atomics and every sum has a fixed order, so the gradients are
 // bitwise repeatable. A weight gradient is one CTA per output tile over all of the
 // expert's rows (as many tiles per expert as the gradient has, so all-tokens-on-k-experts
@@ -31,23 +33,22 @@ namespace {
 // The tiles, chosen once here. 128 rows: moe_align's block. dh's epilogue (it reads g, u
 // and writes three outputs) is as long as a third of its mainloop, so dh runs ping-pong:
 // each warpgroup owns 128 x 128 tiles (128 accumulators a thread) and stores one under the
-// other's mainloop (cooperative 128 x 128, both warpgroups storing at once: ~350 TFLOP/s
-// at Qwen3-30B-A3B T = 32768). The others are cooperative 128 x 256, two warpgroups of
-// 64 x 256, the largest whose accumulators (128 per consumer thread) fit.
+// other's mainloop. The others are cooperative 128 x 256, two warpgroups of 64 x 256, the
+// largest whose accumulators (128 per consumer thread) fit (dxe ping-pong 128 x 128: no
+// faster).
 using DhTile = MoeGemmTile<128, 128, 1>;
 using WideTile = MoeGemmTile<128, 256, 1>;
 
-using DhKernel = MoeGemm<DhTile, GatherTokenRows<DhTile>, SwiGluBackward, TmaWeightTilesMN<DhTile>,
+// Every operand in padded-row order is read by TMA. dO and x are first copied into that
+// order (moe_gather_rows_kernel, a read and a write of the rows): gathering their token
+// rows inside the GEMMs by cp.async held dh at ~370 TFLOP/s and dW2 at ~290 (Qwen3-30B-A3B
+// T = 32768), the gather's rate, not the tensor cores'.
+using DhKernel = MoeGemm<DhTile, TmaRows<DhTile>, SwiGluBackward, TmaWeightTilesMN<DhTile>,
                          MoeTileScheduler, PingPongConsumers>;
 using DxKernel = MoeGemm<WideTile, TmaRows<WideTile>, StoreRows, TmaWeightTilesMN<WideTile>>;
-using Dw2Kernel = MoeGemm<WideTile, GatherRowsAlongK<WideTile, Side::kA>, StoreExpertTile,
-                          TmaRowsAlongK<WideTile, Side::kB>, ExpertKScheduler>;
-// dW reads x in padded-row order from a gathered copy (moe_gather_rows_kernel): gathering its
-// 256-wide side along K inside the GEMM ran at 190 TFLOP/s (Qwen3-30B-A3B T = 32768), both
-// sides by TMA at dxe's 600; the copy costs a read and a write of the rows, in a buffer that
-// is free by then.
-using DwKernel = MoeGemm<WideTile, TmaRowsAlongK<WideTile, Side::kA>, StoreExpertTile,
-                         TmaRowsAlongK<WideTile, Side::kB>, ExpertKScheduler>;
+// dW2 and dW: a K-grouped weight gradient, both operands MN-major by TMA.
+using WeightGradKernel = MoeGemm<WideTile, TmaRowsAlongK<WideTile, Side::kA>, StoreExpertTile,
+                                 TmaRowsAlongK<WideTile, Side::kB>, ExpertKScheduler>;
 
 constexpr int kMaxStages = 8;
 constexpr int kMinStages = 2;
@@ -60,13 +61,14 @@ int routing_grad_slices(int64_t hidden_dim) {
 
 struct Workspace {
   __nv_bfloat16* dz;    // (max_padded, 2H): z's memory with overwrite_z
-  __nv_bfloat16* rows;  // y1s (max_padded, H) for dw2, dxe (max_padded, D) for dx, then xs
-                        // (max_padded, D) for dw
+  __nv_bfloat16* rows;  // (max_padded, D): dOs for dh and dw2, dxe for dx, then xs for dw
   float* ds_part;       // (T * k, slices) when the routing weights' gradient is asked
   int32_t* segments;    // (2E,): starts[E], then ends[E]
   size_t bytes;
 };
 
+// dxe is written after dw2 has read dOs, xs after the combine has read dxe (stream order),
+// so the three share one buffer.
 Workspace carve_workspace(const MoeBackwardProblem& pr, void* base) {
   uint8_t* p = static_cast<uint8_t*>(base);
   Workspace ws{};
@@ -78,12 +80,8 @@ Workspace carve_workspace(const MoeBackwardProblem& pr, void* base) {
     ws.dz = reinterpret_cast<__nv_bfloat16*>(p + off);
     off += align256(rows * 2 * pr.hidden_dim * sizeof(__nv_bfloat16));
   }
-  // dxe is written after dw2 has read y1s, xs after the combine has read dxe (stream order),
-  // so the three share one buffer.
-  const bool rows_of_dim = pr.dx != nullptr || pr.dw != nullptr;
-  const int64_t width = rows_of_dim && pr.dim > pr.hidden_dim ? pr.dim : pr.hidden_dim;
   ws.rows = reinterpret_cast<__nv_bfloat16*>(p + off);
-  off += align256(rows * width * sizeof(__nv_bfloat16));
+  off += align256(rows * pr.dim * sizeof(__nv_bfloat16));
   if (pr.dtopk_weights != nullptr) {
     ws.ds_part = reinterpret_cast<float*>(p + off);
     off += align256(size_t(pr.num_tokens * pr.top_k) * routing_grad_slices(pr.hidden_dim) *
@@ -93,6 +91,50 @@ Workspace carve_workspace(const MoeBackwardProblem& pr, void* base) {
   off += align256(size_t(2 * pr.num_experts) * sizeof(int32_t));
   ws.bytes = off;
   return ws;
+}
+
+MoeGemmParams routing_params(const MoeBackwardProblem& pr, const Workspace& ws) {
+  MoeGemmParams g{};
+  g.sorted_token_ids = pr.sorted_token_ids;
+  g.expert_ids = pr.expert_ids;
+  g.num_tokens_post_padded = pr.num_tokens_post_padded;
+  g.topk_weights = pr.topk_weights;
+  g.ld_x = int(pr.dim);
+  g.max_padded = int(pr.max_padded);
+  g.num_pairs = int(pr.num_tokens * pr.top_k);
+  g.top_k = int(pr.top_k);
+  g.num_experts = int(pr.num_experts);
+  g.segments = ws.segments;
+  return g;
+}
+
+// Expert e's padded rows [segments[e], segments[E + e]) for the K-grouped weight gradients.
+cudaError_t launch_expert_segments(const MoeBackwardProblem& pr, const Workspace& ws,
+                                   cudaStream_t stream) {
+  const int E = int(pr.num_experts);
+  // starts[E] at INT32 0x7F7F7F7F (above any row), ends[E] at 0: an expert no block names
+  // keeps an empty range.
+  cudaError_t err = cudaMemsetAsync(ws.segments, 0x7F, size_t(E) * sizeof(int32_t), stream);
+  if (err != cudaSuccess) return err;
+  err = cudaMemsetAsync(ws.segments + E, 0, size_t(E) * sizeof(int32_t), stream);
+  if (err != cudaSuccess) return err;
+  const int blocks = int(pr.max_padded / pr.block_m);
+  moe_expert_segments_kernel<<<(blocks + kSegmentThreads - 1) / kSegmentThreads, kSegmentThreads, 0,
+                               stream>>>(pr.expert_ids, pr.num_tokens_post_padded,
+                                         int(pr.max_padded), int(pr.block_m), E, ws.segments);
+  return cudaGetLastError();
+}
+
+// The token rows of src (T, D): x or dO, into padded-row order in ws.rows (zeros in padding
+// rows).
+cudaError_t launch_gather_rows(const MoeBackwardProblem& pr, const __nv_bfloat16* src,
+                               const Workspace& ws, cudaStream_t stream) {
+  const GatherRowsParams gp{
+      src,         pr.sorted_token_ids, pr.num_tokens_post_padded,     ws.rows,
+      int(pr.dim), int(pr.top_k),       int(pr.num_tokens * pr.top_k), int(pr.max_padded)};
+  moe_gather_rows_kernel<<<unsigned((pr.max_padded + kGatherRowsPerCta - 1) / kGatherRowsPerCta),
+                           kGatherRowsThreads, 0, stream>>>(gp);
+  return cudaGetLastError();
 }
 
 template <class Kernel>
@@ -124,20 +166,24 @@ size_t moe_backward_workspace_bytes(const MoeBackwardProblem& problem) {
   return carve_workspace(problem, nullptr).bytes;
 }
 
-cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
+size_t moe_backward_y1s_bytes(const MoeBackwardProblem& problem) {
+  if (problem.dw2 == nullptr) return 0;
+  return align256(size_t(problem.max_padded) * problem.hidden_dim * sizeof(__nv_bfloat16));
+}
+
+cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, void* y1s,
                                 cudaStream_t stream) {
-  const bool any = pr.dx || pr.dw || pr.dw2 || pr.dtopk_weights;
+  const bool any = pr.dx || pr.need_dw || pr.dw2 || pr.dtopk_weights;
   if (!any) return cudaSuccess;
+  if (pr.dw2 != nullptr && y1s == nullptr && pr.max_padded > 0) return cudaErrorInvalidValue;
   const int D = int(pr.dim), H = int(pr.hidden_dim), E = int(pr.num_experts);
   const int num_pairs = int(pr.num_tokens * pr.top_k);
   cudaError_t err;
   // Every expert's weight gradient is written, zeros where it has no rows, also for T = 0.
   if (pr.num_tokens == 0 || pr.max_padded == 0) {
-    for (auto [ptr, bytes] : {std::pair<void*, size_t>{pr.dw, size_t(E) * 2 * H * D * 2},
-                              {pr.dw2, size_t(E) * D * H * 2}}) {
-      if (ptr == nullptr) continue;
-      if ((err = cudaMemsetAsync(ptr, 0, bytes, stream)) != cudaSuccess) return err;
-    }
+    if (pr.dw2 != nullptr)
+      if ((err = cudaMemsetAsync(pr.dw2, 0, size_t(E) * D * H * 2, stream)) != cudaSuccess)
+        return err;
     if (pr.dx != nullptr && pr.num_tokens > 0)
       if ((err = cudaMemsetAsync(pr.dx, 0, size_t(pr.num_tokens) * D * 2, stream)) != cudaSuccess)
         return err;
@@ -151,72 +197,53 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
   const int num_sms = usable_sms(pr.device);
   if (num_sms == 0) return cudaErrorInvalidDevice;
   const uint64_t rows = uint64_t(pr.max_padded);
+  const MoeGemmParams g = routing_params(pr, ws);
+  __nv_bfloat16* y1s_rows = static_cast<__nv_bfloat16*>(y1s);
 
-  MoeGemmParams g{};
-  g.sorted_token_ids = pr.sorted_token_ids;
-  g.expert_ids = pr.expert_ids;
-  g.num_tokens_post_padded = pr.num_tokens_post_padded;
-  g.topk_weights = pr.topk_weights;
-  g.ld_x = D;
-  g.max_padded = int(pr.max_padded);
-  g.num_pairs = num_pairs;
-  g.top_k = int(pr.top_k);
-  g.num_experts = E;
-  g.segments = ws.segments;
-
-  // Expert segments (only the weight gradients read them).
-  if (pr.dw != nullptr || pr.dw2 != nullptr) {
-    // starts[E] at INT32 0x7F7F7F7F (above any row), ends[E] at 0: an expert no block names
-    // keeps an empty range.
-    err = cudaMemsetAsync(ws.segments, 0x7F, size_t(E) * sizeof(int32_t), stream);
-    if (err != cudaSuccess) return err;
-    err = cudaMemsetAsync(ws.segments + E, 0, size_t(E) * sizeof(int32_t), stream);
-    if (err != cudaSuccess) return err;
-    const int blocks = int(pr.max_padded / pr.block_m);
-    moe_expert_segments_kernel<<<(blocks + kSegmentThreads - 1) / kSegmentThreads, kSegmentThreads,
-                                 0, stream>>>(pr.expert_ids, pr.num_tokens_post_padded,
-                                              int(pr.max_padded), int(pr.block_m), E, ws.segments);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
+  if (pr.dw2 != nullptr)
+    if ((err = launch_expert_segments(pr, ws, stream)) != cudaSuccess) return err;
+  if ((err = launch_gather_rows(pr, pr.grad_out, ws, stream)) != cudaSuccess) return err;
 
   using prime_kernels::make_tma_2d_bf16_sw128;
-  CUtensorMap tmap_w2_t, tmap_w_t, tmap_dz_rows, tmap_dz_k, tmap_y1s_k, tmap_xs_k;
+  CUtensorMap tmap_w2_t, tmap_w_t, tmap_dos_rows, tmap_dos_k, tmap_y1s_k, tmap_dz_rows;
   if ((err = make_tma_2d_bf16_sw128(&tmap_w2_t, pr.w2, uint64_t(E) * D, H, 64)) != cudaSuccess)
     return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_w_t, pr.w, uint64_t(E) * 2 * H, D, 64)) != cudaSuccess)
     return err;
+  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_rows, ws.rows, rows, D, DhTile::kBlockM)) !=
+      cudaSuccess)
+    return err;
+  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_k, ws.rows, rows, D, 64)) != cudaSuccess) return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_dz_rows, ws.dz, rows, 2 * H, WideTile::kBlockM)) !=
       cudaSuccess)
     return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_dz_k, ws.dz, rows, 2 * H, 64)) != cudaSuccess) return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_y1s_k, ws.rows, rows, H, 64)) != cudaSuccess) return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_xs_k, ws.rows, rows, D, 64)) != cudaSuccess) return err;
+  if (pr.dw2 != nullptr)
+    if ((err = make_tma_2d_bf16_sw128(&tmap_y1s_k, y1s_rows, rows, H, 64)) != cudaSuccess)
+      return err;
 
   // dh, with the SwiGLU backward: dz, y1s, <dh', h> slices.
   MoeGemmParams dh = g;
-  dh.x = pr.grad_out;
   dh.k_dim = D;
   dh.n_dim = H;
   dh.b_rows_per_expert = D;
-  dh.out = pr.dx != nullptr || pr.dw != nullptr ? ws.dz : nullptr;  // only dxe and dW read dz
+  dh.out = pr.dx != nullptr || pr.need_dw ? ws.dz : nullptr;  // only dxe and dW read dz
   dh.ld_out = 2 * H;
   dh.z = pr.z;
-  dh.y1s = pr.dw2 != nullptr ? ws.rows : nullptr;
+  dh.y1s = pr.dw2 != nullptr ? y1s_rows : nullptr;
   dh.ds_part = ws.ds_part;
   dh.ld_ds = routing_grad_slices(H);
-  if ((err = launch_with_ring<DhKernel>(tmap_w2_t, tmap_w2_t, dh, pr.device, num_sms, stream)) !=
-      cudaSuccess)
+  if ((err = launch_with_ring<DhKernel>(tmap_dos_rows, tmap_w2_t, dh, pr.device, num_sms,
+                                        stream)) != cudaSuccess)
     return err;
 
   if (pr.dw2 != nullptr) {
     MoeGemmParams dw2 = g;
-    dw2.x = pr.grad_out;
     dw2.m_dim = D;
     dw2.n_dim = H;
     dw2.out = pr.dw2;
     dw2.ld_out = H;
-    if ((err = launch_with_ring<Dw2Kernel>(tmap_y1s_k, tmap_y1s_k, dw2, pr.device, num_sms,
-                                           stream)) != cudaSuccess)
+    if ((err = launch_with_ring<WeightGradKernel>(tmap_dos_k, tmap_y1s_k, dw2, pr.device, num_sms,
+                                                  stream)) != cudaSuccess)
       return err;
   }
 
@@ -236,23 +263,6 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
 
-  if (pr.dw != nullptr) {
-    const GatherRowsParams gp{
-        pr.x,          pr.sorted_token_ids, pr.num_tokens_post_padded, ws.rows, D,
-        int(pr.top_k), num_pairs,           int(pr.max_padded)};
-    moe_gather_rows_kernel<<<unsigned((pr.max_padded + kGatherRowsPerCta - 1) / kGatherRowsPerCta),
-                             kGatherRowsThreads, 0, stream>>>(gp);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    MoeGemmParams dw = g;
-    dw.m_dim = 2 * H;
-    dw.n_dim = D;
-    dw.out = pr.dw;
-    dw.ld_out = D;
-    if ((err = launch_with_ring<DwKernel>(tmap_dz_k, tmap_xs_k, dw, pr.device, num_sms, stream)) !=
-        cudaSuccess)
-      return err;
-  }
-
   if (pr.dtopk_weights != nullptr) {
     moe_routing_weight_grad_kernel<<<(num_pairs + kRoutingGradThreads - 1) / kRoutingGradThreads,
                                      kRoutingGradThreads, 0, stream>>>(
@@ -261,6 +271,34 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace,
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+cudaError_t launch_moe_backward_dw(const MoeBackwardProblem& pr, void* workspace,
+                                   cudaStream_t stream) {
+  if (!pr.need_dw) return cudaSuccess;
+  if (pr.dw == nullptr) return cudaErrorInvalidValue;
+  const int D = int(pr.dim), H = int(pr.hidden_dim), E = int(pr.num_experts);
+  if (pr.num_tokens == 0 || pr.max_padded == 0)
+    return cudaMemsetAsync(pr.dw, 0, size_t(E) * 2 * H * D * 2, stream);
+  const Workspace ws = carve_workspace(pr, workspace);
+  const int num_sms = usable_sms(pr.device);
+  if (num_sms == 0) return cudaErrorInvalidDevice;
+  cudaError_t err;
+  // The first launch built the segments for dW2.
+  if (pr.dw2 == nullptr)
+    if ((err = launch_expert_segments(pr, ws, stream)) != cudaSuccess) return err;
+  if ((err = launch_gather_rows(pr, pr.x, ws, stream)) != cudaSuccess) return err;
+  const uint64_t rows = uint64_t(pr.max_padded);
+  CUtensorMap tmap_dz_k, tmap_xs_k;
+  using prime_kernels::make_tma_2d_bf16_sw128;
+  if ((err = make_tma_2d_bf16_sw128(&tmap_dz_k, ws.dz, rows, 2 * H, 64)) != cudaSuccess) return err;
+  if ((err = make_tma_2d_bf16_sw128(&tmap_xs_k, ws.rows, rows, D, 64)) != cudaSuccess) return err;
+  MoeGemmParams dw = routing_params(pr, ws);
+  dw.m_dim = 2 * H;
+  dw.n_dim = D;
+  dw.out = pr.dw;
+  dw.ld_out = D;
+  return launch_with_ring<WeightGradKernel>(tmap_dz_k, tmap_xs_k, dw, pr.device, num_sms, stream);
 }
 
 }  // namespace prime_moe

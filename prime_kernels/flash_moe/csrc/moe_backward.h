@@ -29,9 +29,10 @@ struct MoeBackwardProblem {
   __nv_bfloat16* z;                       // (max_padded, 2H): [g | u] per padded row
   const int32_t* pair_to_row;             // (T * k,): padded row, -1 for a dropped pair
   __nv_bfloat16* dx;                      // (T, D) or null
-  __nv_bfloat16* dw;                      // (E, 2H, D) or null
+  __nv_bfloat16* dw;                      // (E, 2H, D) or null; set for launch_moe_backward_dw
   __nv_bfloat16* dw2;                     // (E, D, H) or null
   float* dtopk_weights;                   // (T * k,) or null
+  bool need_dw = false;                   // dw is asked (launch_moe_backward_dw writes it)
   // dz into z's memory: dh reads a row's g, u and writes its dz at the same addresses (the
   // same thread, loads first), which saves the (max_padded, 2H) workspace. Only when z is
   // not read again (autograd does not keep the graph).
@@ -47,12 +48,23 @@ struct MoeBackwardProblem {
 // shared memory for its rings.
 std::string check_moe_backward(const MoeBackwardProblem& problem);
 
-// Scratch device memory the launch needs (256-byte aligned), for the gradients asked for.
+// The backward is two launches, so that the memory of dW2's operand y1s = bf16(s h)
+// (max_padded, H) is free again before dW's output (E, 2H, D) is allocated: the caller
+// allocates the workspace and y1s's memory, runs launch_moe_backward, releases y1s's memory
+// (stream-ordered), allocates dw and runs launch_moe_backward_dw on the same stream with the
+// same workspace.
+// Scratch device memory (256-byte aligned) the two launches share, and y1s's, for the
+// gradients asked for.
 size_t moe_backward_workspace_bytes(const MoeBackwardProblem& problem);
+size_t moe_backward_y1s_bytes(const MoeBackwardProblem& problem);
 
-// Enqueues the backward on `stream`; no host synchronization. Every element of each gradient
-// asked for is written. Bitwise repeatable: no atomics, every sum in a fixed order.
-cudaError_t launch_moe_backward(const MoeBackwardProblem& problem, void* workspace,
+// Enqueues every gradient but dW on `stream`; no host synchronization. Every element of
+// each gradient asked for is written. Bitwise repeatable: no atomics, every sum in a fixed
+// order.
+cudaError_t launch_moe_backward(const MoeBackwardProblem& problem, void* workspace, void* y1s,
                                 cudaStream_t stream);
+// Enqueues dW (when need_dw; problem.dw set), after launch_moe_backward on the same stream.
+cudaError_t launch_moe_backward_dw(const MoeBackwardProblem& problem, void* workspace,
+                                   cudaStream_t stream);
 
 }  // namespace prime_moe

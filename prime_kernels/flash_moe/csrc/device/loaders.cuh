@@ -11,11 +11,13 @@
 //                       w2 for dh, w for dx);
 //   GatherTokenRows     A: token rows of x (or dO) gathered by cp.async (Hopper's TMA has
 //                       no row gather), K-major;
-//   TmaRows             A: rows of a dense (max_padded, K) workspace by TMA (h, dz).
+//   TmaRows             A: rows of a dense (max_padded, K) workspace by TMA (h, dz, and
+//                       dO copied into padded-row order).
 // K-grouped GEMMs (weight gradients; K = the expert's padded rows):
-//   GatherRowsAlongK    A or B: 64 token rows x kCols columns of x or dO per stage,
-//                       gathered by cp.async into the MN-major layout;
-//   TmaRowsAlongK       A or B: 64 workspace rows x kCols columns by TMA, MN-major.
+//   TmaRowsAlongK       A or B: 64 workspace rows x kCols columns by TMA, MN-major (the
+//                       token rows of x and dO are first copied into padded-row order,
+//                       combine.cuh: gathered along K by cp.async they ran at half the
+//                       rate).
 // (A multicast weight loader for 2-CTA clusters and an fp8 loader with its scales are
 // further parts of this file's kind.)
 #pragma once
@@ -189,83 +191,9 @@ __device__ __forceinline__ int first_column(const MoeWorkTile& w) {
 template <class Tile, Side kSide>
 inline constexpr int kSideColumns = kSide == Side::kA ? Tile::kBlockM : Tile::kBlockN;
 
-// 64 consecutive padded rows of the expert's segment per stage, each the token row of x (or
-// dO) its pair names, columns [c0, c0 + kCols), into the MN-major layout: column c of the
-// tile is in chunk c / 64, row r at r * 128 bytes, its 16-byte piece j = (c % 64) / 8 at
-// j ^ (r % 8). Padding rows and columns past the source's width (ld_x) are zero-filled; a
-// zero row adds nothing to the reduction as long as the other operand's row is finite,
-// which is why the backward writes zeros into its workspaces' padding rows.
-template <class Tile, Side kSide>
-struct GatherRowsAlongK {
-  static constexpr int kCols = kSideColumns<Tile, kSide>;
-  using Layout = prime_kernels::SmemMNMajor;
-  static constexpr int kThreads = 128;
-  static constexpr uint32_t kFullArrivals = kThreads;
-  static constexpr uint32_t kTmaBytes = 0;
-  static constexpr bool kGenericProxyWrites = true;
-  static constexpr int kPiecesPerRow = kCols / 8;
-  static constexpr int kRowsPerPass = kThreads / kPiecesPerRow;
-  static constexpr int kPasses = Tile::kBlockK / kRowsPerPass;
-  // The next stage's source offsets stay in registers (one per pass): 16 passes spill at 40.
-  static constexpr int kProducerRegs = kPasses > 8 ? 56 : 40;
-  static_assert(kCols % 64 == 0 && kThreads % kPiecesPerRow == 0 && kPasses >= 1,
-                "a pass covers whole rows of whole 64-column chunks");
-
-  const int piece, pass_row;  // piece: 16-byte column piece of the row, 0 .. kCols/8 - 1
-  int k_row0 = 0, npp = 0;
-  bool column_valid = false;
-  uint32_t column_chunk = 0;  // 16-byte-chunk offset of the piece inside a token row
-  // The next stage's row ids, as loaded: consumed only when that stage is issued, so the
-  // loads' round trip passes while the producer waits for a free stage, and nothing the
-  // producer issues in between (the weight tile's TMA above all) waits on it.
-  int next_pair[kPasses];
-
-  __device__ __forceinline__ explicit GatherRowsAlongK(int tid)
-      : piece(tid % kPiecesPerRow), pass_row(tid / kPiecesPerRow) {}
-
-  __device__ __forceinline__ void start_tile(const MoeGemmParams& p, int npp_,
-                                             const MoeWorkTile& w) {
-    k_row0 = w.k_row0;
-    npp = npp_;
-    const int column = first_column<kSide>(w) + 8 * piece;
-    column_valid = column < p.ld_x;
-    column_chunk = uint32_t(column / 8);
-    fetch(p, 0);
-  }
-
-  // Issues the loads of stage kb's row ids, all before any cp.async (an asm with a memory
-  // clobber between them would serialize one L2 round trip per row).
-  __device__ __forceinline__ void fetch(const MoeGemmParams& p, int kb) {
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int row = k_row0 + kb * Tile::kBlockK + pass_row + kRowsPerPass * i;
-      next_pair[i] = row < npp ? p.sorted_token_ids[row] : -1;
-    }
-  }
-
-  __device__ __forceinline__ void load(const MoeGemmParams& p, const CUtensorMap* /*map*/,
-                                       uint8_t* smem, uint64_t* full, int kb) {
-    using namespace prime_kernels;
-    const uint32_t base = smem_addr(smem) + (piece / 8) * SmemMNMajor::kChunkBytes;
-    const uint4* src = reinterpret_cast<const uint4*>(p.x);
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int r = pass_row + kRowsPerPass * i;
-      const int pair = next_pair[i];
-      // Padding (-1) and ids outside [0, T*k) load zeros, as routed_pair says.
-      const bool valid = column_valid && pair >= 0 && pair < p.num_pairs;
-      const uint32_t token = valid ? uint32_t(pair / p.top_k) : 0u;
-      const uint32_t dst = base + r * 128 + (((piece % 8) ^ (r % 8)) << 4);
-      cp_async_16_zfill(dst, src + token * uint32_t(p.ld_x / 8) + column_chunk, valid);
-    }
-    cp_async_mbarrier_arrive_noinc(full);
-    fetch(p, kb + 1);  // past the segment: rows of the next expert or padding, never read
-  }
-};
-
 // 64 consecutive padded rows of the expert's segment per stage from a dense (max_padded,
-// width) workspace (y1s, dz), columns [c0, c0 + kCols), by TMA: kCols / 64 boxes of 64
-// columns x 64 rows, MN-major. Columns past the width are zero-filled by TMA.
+// width) workspace (y1s, dz, dO or x in padded-row order), columns [c0, c0 + kCols), by TMA: kCols
+// / 64 boxes of 64 columns x 64 rows, MN-major. Columns past the width are zero-filled by TMA.
 template <class Tile, Side kSide>
 struct TmaRowsAlongK : TmaLoader {
   static constexpr int kCols = kSideColumns<Tile, kSide>;

@@ -48,9 +48,9 @@ struct MoeGemm {
   // Register split (sm_90a setmaxnreg, multiples of 8). The CTA launches with 168 registers
   // a thread (__launch_bounds__(384, 1)) and can only move those 384 x 168 between its
   // warpgroups: 128 * (producer + 2 * consumer) <= 64512, or setmaxnreg.inc waits forever.
-  // The loaders say what the producer needs (40; more where a gather keeps a stage's
-  // offsets ahead), the consumers get the rest: 224 to 232 registers, room for their 128
-  // fp32 accumulators (two 64x128 or one 64x256 tile) and the epilogue.
+  // The loaders say what the producer needs (40), the consumers get the rest: 224 to 232
+  // registers, room for their 128 fp32 accumulators (two 64x128 or one 64x256 tile) and the
+  // epilogue.
   static constexpr int kProducerRegs =
       ALoad::kProducerRegs > BLoad::kProducerRegs ? ALoad::kProducerRegs : BLoad::kProducerRegs;
   static constexpr int kConsumerRegs = ((kThreads / 128 * 168 - kProducerRegs) / 2) / 8 * 8;
