@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <functional>
 #include <initializer_list>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -354,9 +355,18 @@ std::tuple<Tensor, Tensor> quantize_mxfp8(Tensor x, bool rceil, bool blocked) {
 // and kb as the caller reads them from t's shape, which mn_is and kb_is spell out).
 void check_scale_bytes(const char* op, const char* name, const Tensor& t, int64_t min_rank,
                        const char* expected_shape) {
-  if (t.scalar_type() != ScalarType::Byte) {
+  ScalarType dtype;
+  try {
+    dtype = t.scalar_type();
+  } catch (const std::exception&) {
+    // The stable ABI of torch 2.10 cannot name float8_e8m0fnu, the likeliest wrong dtype here.
+    fail(op, "argument '", name,
+         "' must be a torch.uint8 tensor (the bits of e8m0 scales), got a dtype the stable ABI "
+         "does not name, such as torch.float8_e8m0fnu: pass scales.view(torch.uint8)");
+  }
+  if (dtype != ScalarType::Byte) {
     fail(op, "argument '", name, "' must be a torch.uint8 tensor (the bits of e8m0 scales), got ",
-         dtype_name(t.scalar_type()));
+         dtype_name(dtype));
   }
   if (t.dim() < min_rank) {
     fail(op, "argument '", name, "' must be ", expected_shape, ", got shape ", shape_of(t));
