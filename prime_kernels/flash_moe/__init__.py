@@ -100,7 +100,8 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
         mxfp8.check_blocked_shape(scales.shape, "scales")
         packed = torch.ops.prime_moe.pack_scales_blocked(bits.contiguous())
     else:
-        packed = mxfp8.pack_scales_blocked(bits).reshape(*scales.shape[:-2], -1)
+        packed = mxfp8.pack_scales_blocked(bits)
+        packed = packed.reshape(*scales.shape[:-2], scales.shape[-2] * scales.shape[-1])
     return packed.view(torch.float8_e8m0fnu)
 
 
