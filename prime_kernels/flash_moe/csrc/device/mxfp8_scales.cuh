@@ -30,7 +30,7 @@ struct Mxfp8ScalesParams {
   int64_t tile_rows;    // rows / 128
   int words;            // kb / 4: words of a row, column tiles of a tile row
   int chunk_words;      // column tiles per CTA: all of a row, or kMxfp8ScalesChunkTiles
-  int chunk_tile_rows;  // tile rows per CTA (chunk_words * chunk_tile_rows <= ChunkTiles)
+  int chunk_tile_rows;  // tile rows per CTA: with chunk_words, at most ChunkBytes
   int row_chunks;       // CTAs per tile row
 };
 
@@ -40,8 +40,8 @@ struct Mxfp8ScalesParams {
 // done once; a step only adds.
 template <int kVecWords>
 struct Mxfp8RowMajorWalk {
-  static constexpr int kStep = kMxfp8ScalesThreads * kVecWords;  // words
-  int w, pad;                                                    // chunk width; stride - w
+  static constexpr int kStep = kMxfp8ScalesThreads * kVecWords;
+  int w, pad;           // the chunk's width; stride - w
   int64_t wrap_offset;  // words - w: from past a row's chunk to the next row's
   int c, at;            // chunk column of the vector's first word, its staging index
   int64_t offset;       // and its offset in memory
@@ -78,9 +78,9 @@ struct Mxfp8RowMajorWalk {
 
 template <int kVecWords>
 struct Mxfp8BlockedWalk {
-  static constexpr int kStep = kMxfp8ScalesThreads * kVecWords;  // words
+  static constexpr int kStep = kMxfp8ScalesThreads * kVecWords;
   static_assert(kStep % 128 == 0, "a step moves by whole column tiles");
-  int w, wrap_at;         // chunk width; from past a tile row's last column tile to the next row's
+  int w, wrap_at;         // the chunk's width; from past a tile row's chunk to the next row's
   int c, tile_at;         // the vector's column tile in the chunk, the staging index of its row 0
   int64_t offset;         // the vector's offset in memory
   int dc, step_at;        // a step's increments
