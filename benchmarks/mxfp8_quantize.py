@@ -1,13 +1,16 @@
-"""flash_moe.quantize_mxfp8's bandwidth against the copy ceiling measured in the same run.
+"""flash_moe.quantize_mxfp8's and pack_scales_blocked's bandwidth against the copy ceiling
+measured in the same run.
 
     python benchmarks/mxfp8_quantize.py [--self-test]
 
 Times (harness.Timer: CUDA events, median, L2 flushed before every call) the quantizer of
 activations (T, D) with row-major scales and of weights (E, N, K) with blocked scales, both
 roundings, at the shapes a trainer quantizes every step, and prints ms, GB/s (bf16 read plus
-e4m3 and scale bytes written) and the fraction of the device copy rate. Each output is
-checked bit for bit against mxfp8.py once. --self-test runs the Python reference on CPU at a
-toy shape (no timing claims).
+e4m3 and scale bytes written) and the fraction of the device copy rate. Then
+pack_scales_blocked and unpack_scales_blocked of weight scales (E, N, K/32), with GB/s of
+bytes read plus written and the time of mxfp8.py's pure-PyTorch permutation on the same
+device. Each output is checked bit for bit against mxfp8.py once. --self-test runs the Python
+reference on CPU at toy shapes (no timing claims).
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ SHAPES = (
     ("DeepSeek-V3-32 w (32, 4096, 7168)", (32, 4096, 7168), True),
 )
 SELF_TEST_SHAPES = (("toy x", (64, 256), False), ("toy w", (2, 128, 128), True))
+# Weight scales (E, N, K/32): DeepSeek-V3-32's w (E=32, 2 * 2048 rows, K = 7168) and w2 (7168
+# rows, K = 2048), Qwen3-30B-A3B's w (E=128, 2 * 768 rows, K = 2048) and w2 (2048 rows, K = 768).
+SCALE_SHAPES = (
+    ("DeepSeek-V3-32 w scales (32, 4096, 224)", (32, 4096, 224)),
+    ("DeepSeek-V3-32 w2 scales (32, 7168, 64)", (32, 7168, 64)),
+    ("Qwen3 w scales (128, 1536, 64)", (128, 1536, 64)),
+    ("Qwen3 w2 scales (128, 2048, 24)", (128, 2048, 24)),
+)
+SELF_TEST_SCALE_SHAPES = (("toy scales (2, 256, 8)", (2, 256, 8)),)
 
 
 def main(argv=None):
@@ -50,13 +62,13 @@ def main(argv=None):
     timer = harness.Timer(device, args.warmup_ms, args.rep_ms)
     shapes = SELF_TEST_SHAPES if args.self_test else SHAPES
     if args.self_test:
+        # the pure-PyTorch path: flash_moe's CUDA kernels are for CUDA tensors
+        from prime_kernels import flash_moe as fm
 
         def quantize(x, rounding, blocked):
             values, scales = mxfp8.quantize_mxfp8(x, rounding=rounding)
             if blocked:
-                from prime_kernels import flash_moe
-
-                scales = flash_moe.pack_scales_blocked(scales)
+                scales = fm.pack_scales_blocked(scales)
             return values, scales
 
         ceilings = None
@@ -98,6 +110,42 @@ def main(argv=None):
         del x
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    print()
+    print(f"{'scales':40} {'op':6} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'torch ms':>9}  bits")
+    for label, shape in SELF_TEST_SCALE_SHAPES if args.self_test else SCALE_SHAPES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        raw = torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.uint8)
+        scales, mn = raw.view(torch.float8_e8m0fnu), shape[-2]
+        want_rows = mxfp8.pack_scales_blocked(raw)  # blocked bytes, shaped as the scales
+        want = want_rows.reshape(*shape[:-2], -1)
+        packed = fm.pack_scales_blocked(scales)
+        rows = (
+            (
+                "pack",
+                lambda s=scales: fm.pack_scales_blocked(s),
+                lambda r=raw: mxfp8.pack_scales_blocked(r),
+                torch.equal(packed.view(torch.uint8), want),
+            ),
+            (
+                "unpack",
+                lambda p=packed, mn=mn: fm.unpack_scales_blocked(p, mn),
+                lambda w=want_rows: mxfp8.unpack_scales_blocked(w),
+                torch.equal(fm.unpack_scales_blocked(packed, mn).view(torch.uint8), raw),
+            ),
+        )
+        for op, ours, pure_pytorch, same in rows:
+            ms = timer.median_ms(ours)
+            torch_ms = timer.median_ms(pure_pytorch)
+            gbps = 2 * raw.numel() / (ms * 1e-3) / 1e9
+            frac = f"{gbps / ceilings['copy_gbps']:.0%}" if ceilings else "-"
+            print(
+                f"{label:40} {op:6} {ms:8.4f} {gbps:8.0f} {frac:>8} {torch_ms:9.4f}  "
+                f"{'equal' if same else 'DIFFERENT'}"
+            )
+            if not same:
+                sys.exit(f"{label} {op}: not bit for bit mxfp8.py's")
+        del raw, scales, want_rows, want, packed
 
 
 if __name__ == "__main__":

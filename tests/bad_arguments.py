@@ -150,6 +150,22 @@ def padded_overflow(extra: int):
     return call
 
 
+def scale_bytes(*shape, dtype=torch.uint8):
+    return lambda device: torch.zeros(shape, dtype=dtype, device=device)
+
+
+def pack(scales_fn):
+    """pack_scales_blocked through torch.ops.prime_moe (the binding's checks, not those
+    flash_moe.pack_scales_blocked makes first)."""
+    return lambda flash_moe, device: torch.ops.prime_moe.pack_scales_blocked(scales_fn(device))
+
+
+def unpack(packed_fn, mn):
+    return lambda flash_moe, device: torch.ops.prime_moe.unpack_scales_blocked(
+        packed_fn(device), mn
+    )
+
+
 CASES: dict[str, Case] = {
     # fused_moe_bf16: dtypes, ranks, contiguity
     "x_dtype": Case(
@@ -366,6 +382,69 @@ CASES: dict[str, Case] = {
         training("moe_backward", z=lambda a, d: a["z"].cpu()),
         r"moe_backward: argument 'z' must be on a CUDA device, got a CPU tensor",
         cuda_only=True,
+    ),
+    # pack_scales_blocked / unpack_scales_blocked: the bytes of e8m0 scales
+    "pack_scales_dtype": Case(
+        pack(scale_bytes(128, 4, dtype=torch.float8_e8m0fnu)),
+        r"pack_scales_blocked: argument 'scales' must be a torch\.uint8 tensor \(the bits of "
+        r"e8m0 scales\), got a dtype the stable ABI does not name, such as torch\.float8_e8m0fnu",
+    ),
+    "unpack_scales_dtype": Case(
+        unpack(scale_bytes(512, dtype=torch.int32), 128),
+        r"unpack_scales_blocked: argument 'packed' must be a torch\.uint8 tensor \(the bits of "
+        r"e8m0 scales\), got torch\.int32",
+    ),
+    "pack_scales_rank": Case(
+        pack(scale_bytes(512)),
+        r"pack_scales_blocked: argument 'scales' must be \(\.\.\., MN, K/32\), got shape \(512,\)",
+    ),
+    "pack_scales_not_contiguous": Case(
+        pack(lambda d: torch.zeros(4, 128, dtype=torch.uint8, device=d).t()),
+        r"pack_scales_blocked: argument 'scales' must be contiguous, got shape \(128, 4\)",
+    ),
+    "pack_scales_mn": Case(
+        pack(scale_bytes(2, 64, 4)),
+        r"pack_scales_blocked: argument 'scales' has shape \(2, 64, 4\): MN = shape\[-2\] = 64 "
+        r"must be a multiple of 128",
+    ),
+    "pack_scales_kb": Case(
+        pack(scale_bytes(128, 6)),
+        r"pack_scales_blocked: argument 'scales' has shape \(128, 6\): K/32 = shape\[-1\] = 6 "
+        r"must be a multiple of 4",
+    ),
+    "pack_scales_on_cpu": Case(
+        lambda fm, d: torch.ops.prime_moe.pack_scales_blocked(
+            torch.zeros(128, 4, dtype=torch.uint8)
+        ),
+        r"pack_scales_blocked: argument 'scales' must be on a CUDA device, got a CPU tensor",
+    ),
+    "unpack_scales_rank": Case(
+        unpack(scale_bytes(), 128),
+        r"unpack_scales_blocked: argument 'packed' must be \(\.\.\., MN \* K/32\), got shape \(\)",
+    ),
+    "unpack_scales_mn_zero": Case(
+        unpack(scale_bytes(512), 0),
+        r"unpack_scales_blocked: argument 'packed' has shape \(512,\): its last dim must be "
+        r"mn \* K/32 with mn=0",
+    ),
+    "unpack_scales_mn_divides": Case(
+        unpack(scale_bytes(2, 100), 128), r"its last dim must be mn \* K/32 with mn=128"
+    ),
+    "unpack_scales_mn": Case(
+        unpack(scale_bytes(2, 512), 64),
+        r"unpack_scales_blocked: argument 'packed' has shape \(2, 512\): mn = 64 must be a "
+        r"multiple of 128",
+    ),
+    "unpack_scales_kb": Case(
+        unpack(scale_bytes(2, 768), 128),
+        r"unpack_scales_blocked: argument 'packed' has shape \(2, 768\): K/32 = shape\[-1\] / "
+        r"mn = 6 must be a multiple of 4",
+    ),
+    "unpack_scales_on_cpu": Case(
+        lambda fm, d: torch.ops.prime_moe.unpack_scales_blocked(
+            torch.zeros(2, 512, dtype=torch.uint8), 128
+        ),
+        r"unpack_scales_blocked: argument 'packed' must be on a CUDA device, got a CPU tensor",
     ),
 }
 

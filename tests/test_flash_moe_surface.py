@@ -163,7 +163,7 @@ def test_moe_mxfp8_names_the_missing_op():
         flash_moe.moe(*leaves[:3], ids, leaves[3], mxfp8=True)
 
 
-@pytest.mark.parametrize("lead", [(), (3,), (2, 2)])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 2), (0,)])
 def test_pack_scales_blocked_follows_the_contract(lead):
     """Every scale (r, c) of each leading index's (MN, K/32) block lands at the byte
     CONTRACT.md gives; the result is e8m0 of shape (*lead, MN*K/32), and unpacking it gives
@@ -196,3 +196,30 @@ def test_pack_scales_blocked_refuses_what_it_cannot_tile():
         flash_moe.pack_scales_blocked(torch.zeros(128, 4))
     with pytest.raises(ValueError, match="mn"):
         flash_moe.unpack_scales_blocked(torch.zeros(100, dtype=torch.uint8), 128)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 2)])
+@needs_extension
+def test_pack_scales_blocked_fakes(lead, monkeypatch):
+    """CUDA tensors take the ops (here their fakes), never the pure-PyTorch path: e8m0 of the
+    original's shapes, and that path's errors before the op."""
+    from prime_kernels.flash_moe import mxfp8
+
+    def pure_pytorch(*args):
+        raise AssertionError("the pure-PyTorch path ran for a CUDA tensor")
+
+    monkeypatch.setattr(mxfp8, "pack_scales_blocked", pure_pytorch)
+    monkeypatch.setattr(mxfp8, "unpack_scales_blocked", pure_pytorch)
+    with FakeTensorMode():
+        scales = torch.empty((*lead, 256, 12), dtype=torch.float8_e8m0fnu, device="cuda")
+        packed = flash_moe.pack_scales_blocked(scales)
+        unpacked = flash_moe.unpack_scales_blocked(packed, 256)
+        with pytest.raises(ValueError, match=r"scales has shape \(128, 6\): K/32 = shape\[-1\]"):
+            flash_moe.pack_scales_blocked(torch.empty(128, 6, dtype=torch.uint8, device="cuda"))
+        with pytest.raises(ValueError, match=r"packed has shape \(2, 64, 4\): MN = shape\[-2\]"):
+            flash_moe.unpack_scales_blocked(
+                torch.empty(2, 256, dtype=torch.uint8, device="cuda"), 64
+            )
+    assert packed.dtype == unpacked.dtype == torch.float8_e8m0fnu
+    assert packed.shape == (*lead, 256 * 12) and unpacked.shape == (*lead, 256, 12)
+    assert packed.device.type == unpacked.device.type == "cuda"

@@ -88,18 +88,27 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
     column-tile; inside a tile, row r and column c at byte (r % 32) * 16 + ((r % 128) // 32)
     * 4 + c % 4. Returns float8_e8m0fnu of shape (..., MN * K/32), as the original does.
     Takes float8_e8m0fnu (or its uint8 bits); needs MN % 128 == 0 and (K/32) % 4 == 0
-    (ValueError otherwise: pad first). Pure PyTorch (a permuting copy), on any device."""
+    (ValueError otherwise: pad first). CUDA tensors are permuted by flash_moe's CUDA kernel
+    (a non-contiguous one is made contiguous first), other devices' by the pure-PyTorch
+    :func:`mxfp8.pack_scales_blocked`; both give the same bytes."""
     from . import mxfp8
 
     if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise TypeError(f"scales must be float8_e8m0fnu (or uint8 bits), got {scales.dtype}")
-    packed = mxfp8.pack_scales_blocked(scales.view(torch.uint8))
-    return packed.reshape(*scales.shape[:-2], -1).view(torch.float8_e8m0fnu)
+    bits = scales.view(torch.uint8)
+    if EXTENSION_BUILT and scales.is_cuda:
+        mxfp8.check_blocked_shape(scales.shape, "scales")
+        packed = torch.ops.prime_moe.pack_scales_blocked(bits.contiguous())
+    else:
+        packed = mxfp8.pack_scales_blocked(bits)
+        packed = packed.reshape(*scales.shape[:-2], scales.shape[-2] * scales.shape[-1])
+    return packed.view(torch.float8_e8m0fnu)
 
 
 def unpack_scales_blocked(packed: torch.Tensor, mn: int) -> torch.Tensor:
     """Inverse of :func:`pack_scales_blocked`: blocked (..., MN * K/32) scales of ``mn`` rows
-    back to row-major (..., MN, K/32), float8_e8m0fnu."""
+    back to row-major (..., MN, K/32), float8_e8m0fnu; a CUDA kernel for CUDA tensors, as
+    there."""
     from . import mxfp8
 
     if packed.dtype not in (torch.float8_e8m0fnu, torch.uint8):
@@ -108,8 +117,14 @@ def unpack_scales_blocked(packed: torch.Tensor, mn: int) -> torch.Tensor:
         raise ValueError(
             f"packed has shape {tuple(packed.shape)}: its last dim must be mn * K/32 with mn={mn}"
         )
-    rows = packed.view(torch.uint8).reshape(*packed.shape[:-1], mn, packed.shape[-1] // mn)
-    return mxfp8.unpack_scales_blocked(rows).view(torch.float8_e8m0fnu)
+    bits = packed.view(torch.uint8)
+    rows_shape = (*packed.shape[:-1], mn, packed.shape[-1] // mn)
+    if EXTENSION_BUILT and packed.is_cuda:
+        mxfp8.check_blocked_shape(rows_shape, "packed")
+        rows = torch.ops.prime_moe.unpack_scales_blocked(bits.contiguous(), mn)
+    else:
+        rows = mxfp8.unpack_scales_blocked(bits.reshape(rows_shape))
+    return rows.view(torch.float8_e8m0fnu)
 
 
 def quantize_mxfp8(
@@ -268,6 +283,14 @@ if EXTENSION_BUILT:
             x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
             x.new_empty(scale_shape, dtype=torch.uint8),
         )
+
+    @torch.library.register_fake("prime_moe::pack_scales_blocked")
+    def _pack_scales_blocked_fake(scales):
+        return scales.new_empty((*scales.shape[:-2], scales.shape[-2] * scales.shape[-1]))
+
+    @torch.library.register_fake("prime_moe::unpack_scales_blocked")
+    def _unpack_scales_blocked_fake(packed, mn):
+        return packed.new_empty((*packed.shape[:-1], mn, packed.shape[-1] // mn))
 
     @torch.library.register_fake("prime_moe::moe_forward")
     def _moe_forward_fake(

@@ -148,20 +148,28 @@ def dequantize_mxfp8(
     return (vf * scale.unsqueeze(-1)).reshape(values.shape).to(dtype)
 
 
-def _blocked_permute(t: torch.Tensor, name: str, inverse: bool) -> torch.Tensor:
-    if t.ndim < 2:
-        raise ValueError(f"{name} must be (..., MN, K/32), got shape {tuple(t.shape)}")
-    *lead, mn, kb = t.shape
+def check_blocked_shape(shape, name: str) -> tuple[list[int], int, int]:
+    """``(lead, MN, K/32)`` of scales of shape (..., MN, K/32) that the blocked layout
+    tiles; ValueError naming ``name`` otherwise."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise ValueError(f"{name} must be (..., MN, K/32), got shape {shape}")
+    *lead, mn, kb = shape
     if mn % 128 != 0:
         raise ValueError(
-            f"{name} has shape {tuple(t.shape)}: MN = shape[-2] = {mn} must be a multiple of "
+            f"{name} has shape {shape}: MN = shape[-2] = {mn} must be a multiple of "
             "128 (one scale tile is 128 rows)"
         )
     if kb % 4 != 0:
         raise ValueError(
-            f"{name} has shape {tuple(t.shape)}: K/32 = shape[-1] = {kb} must be a multiple "
+            f"{name} has shape {shape}: K/32 = shape[-1] = {kb} must be a multiple "
             "of 4 (one scale tile is 4 scale columns)"
         )
+    return lead, mn, kb
+
+
+def _blocked_permute(t: torch.Tensor, name: str, inverse: bool) -> torch.Tensor:
+    lead, mn, kb = check_blocked_shape(t.shape, name)
     nl = len(lead)
     # Row-major index (rt, r_hi, r_lo, ct, c4) with r = rt*128 + r_hi*32 + r_lo and
     # c = ct*4 + c4; blocked index (rt, ct, r_lo, r_hi, c4). The swap is its own inverse.

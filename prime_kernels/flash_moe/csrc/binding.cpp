@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <functional>
 #include <initializer_list>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -358,6 +359,95 @@ std::tuple<Tensor, Tensor> quantize_mxfp8(Tensor x, bool rceil, bool blocked) {
   return {values, scales};
 }
 
+// What both directions of the blocked scale layout check: `t` holds the bytes of e8m0 scales,
+// contiguous, and its (..., MN, K/32) scales are whole tiles of 128 rows x 4 scale columns (mn
+// and kb as the caller reads them from t's shape, which mn_is and kb_is spell out).
+void check_scale_bytes(const char* op, const char* name, const Tensor& t, int64_t min_rank,
+                       const char* expected_shape) {
+  ScalarType dtype;
+  try {
+    dtype = t.scalar_type();
+  } catch (const std::exception&) {
+    // The stable ABI of torch 2.10 cannot name float8_e8m0fnu, the likeliest wrong dtype here.
+    fail(op, "argument '", name,
+         "' must be a torch.uint8 tensor (the bits of e8m0 scales), got a dtype the stable ABI "
+         "does not name, such as torch.float8_e8m0fnu: pass scales.view(torch.uint8)");
+  }
+  if (dtype != ScalarType::Byte) {
+    fail(op, "argument '", name, "' must be a torch.uint8 tensor (the bits of e8m0 scales), got ",
+         dtype_name(dtype));
+  }
+  if (t.dim() < min_rank) {
+    fail(op, "argument '", name, "' must be ", expected_shape, ", got shape ", shape_of(t));
+  }
+  if (!t.is_contiguous()) {
+    fail(op, "argument '", name, "' must be contiguous, got shape ", shape_of(t),
+         " with non-contiguous strides");
+  }
+}
+
+void check_scale_tiles(const char* op, const char* name, const Tensor& t, const char* mn_is,
+                       int64_t mn, const char* kb_is, int64_t kb) {
+  if (mn % 128 != 0) {
+    fail(op, "argument '", name, "' has shape ", shape_of(t), ": ", mn_is, mn,
+         " must be a multiple of 128 (one scale tile is 128 rows); pad first");
+  }
+  if (kb % 4 != 0) {
+    fail(op, "argument '", name, "' has shape ", shape_of(t), ": ", kb_is, kb,
+         " must be a multiple of 4 (one scale tile is 4 scale columns); pad first");
+  }
+}
+
+// Permutes the (rows, kb) scale bytes of `src` into a new tensor of shape `shape`.
+Tensor permute_scales(const char* op, const char* name, Tensor src, std::vector<int64_t> shape,
+                      int64_t kb, bool unpack) {
+  if (!src.is_cuda()) {
+    fail(op, "argument '", name, "' must be on a CUDA device, got a CPU tensor");
+  }
+  const int32_t device = src.get_device_index();
+  torch::stable::accelerator::DeviceGuard guard(device);
+  // The kernel moves 4-byte words: a view starting inside one (a byte slice) is copied to an
+  // aligned buffer first.
+  if (reinterpret_cast<uintptr_t>(src.const_data_ptr()) % 4 != 0) src = torch::stable::clone(src);
+  Tensor dst = torch::stable::new_empty(src, shape);
+  const int64_t rows = kb == 0 ? 0 : src.numel() / kb;
+  check_cuda(op, launch_mxfp8_scales_blocked(static_cast<const uint8_t*>(src.const_data_ptr()),
+                                             static_cast<uint8_t*>(dst.mutable_data_ptr()), rows,
+                                             kb, unpack, current_stream(device)));
+  return dst;
+}
+
+// mxfp8.pack_scales_blocked bit for bit: row-major scale bytes (..., MN, K/32) to the blocked
+// layout, shape (..., MN * K/32) as flash_moe.pack_scales_blocked returns it (the stable ABI has no
+// e8m0 dtype: flash_moe views the bytes).
+Tensor pack_scales_blocked(Tensor scales) {
+  constexpr const char* op = "pack_scales_blocked";
+  check_scale_bytes(op, "scales", scales, 2, "(..., MN, K/32)");
+  const int64_t mn = scales.size(-2), kb = scales.size(-1);
+  check_scale_tiles(op, "scales", scales, "MN = shape[-2] = ", mn, "K/32 = shape[-1] = ", kb);
+  std::vector<int64_t> shape;
+  for (int64_t d = 0; d < scales.dim() - 2; ++d) shape.push_back(scales.size(d));
+  shape.push_back(mn * kb);
+  return permute_scales(op, "scales", scales, shape, kb, false);
+}
+
+// The inverse: blocked scale bytes (..., mn * K/32) of mn rows to row-major (..., mn, K/32).
+Tensor unpack_scales_blocked(Tensor packed, int64_t mn) {
+  constexpr const char* op = "unpack_scales_blocked";
+  check_scale_bytes(op, "packed", packed, 1, "(..., MN * K/32)");
+  const int64_t n = packed.size(-1);
+  if (mn <= 0 || n % mn != 0) {
+    fail(op, "argument 'packed' has shape ", shape_of(packed),
+         ": its last dim must be mn * K/32 with mn=", mn);
+  }
+  check_scale_tiles(op, "packed", packed, "mn = ", mn, "K/32 = shape[-1] / mn = ", n / mn);
+  std::vector<int64_t> shape;
+  for (int64_t d = 0; d < packed.dim() - 1; ++d) shape.push_back(packed.size(d));
+  shape.push_back(mn);
+  shape.push_back(n / mn);
+  return permute_scales(op, "packed", packed, shape, n / mn, true);
+}
+
 }  // namespace
 }  // namespace prime_moe
 
@@ -373,6 +463,8 @@ STABLE_TORCH_LIBRARY(prime_moe, m) {
   m.def(
       "quantize_mxfp8(Tensor x, bool rceil=True, bool blocked=False) -> "
       "(Tensor values, Tensor scales)");
+  m.def("pack_scales_blocked(Tensor scales) -> Tensor");
+  m.def("unpack_scales_blocked(Tensor packed, int mn) -> Tensor");
   m.def(
       "moe_forward(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
       "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k) -> "
@@ -391,6 +483,8 @@ STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {
   m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
   m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
   m.impl("quantize_mxfp8", TORCH_BOX(&prime_moe::quantize_mxfp8));
+  m.impl("pack_scales_blocked", TORCH_BOX(&prime_moe::pack_scales_blocked));
+  m.impl("unpack_scales_blocked", TORCH_BOX(&prime_moe::unpack_scales_blocked));
 }
 
 // CPU tensors reach the same checks, so they get the message naming the argument and the
@@ -401,6 +495,8 @@ STABLE_TORCH_LIBRARY_IMPL(prime_moe, CPU, m) {
   m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
   m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
   m.impl("quantize_mxfp8", TORCH_BOX(&prime_moe::quantize_mxfp8));
+  m.impl("pack_scales_blocked", TORCH_BOX(&prime_moe::pack_scales_blocked));
+  m.impl("unpack_scales_blocked", TORCH_BOX(&prime_moe::unpack_scales_blocked));
 }
 
 // The extension module carries the constants and the SM setting; the ops live in

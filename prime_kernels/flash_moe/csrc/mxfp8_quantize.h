@@ -17,4 +17,11 @@ cudaError_t launch_mxfp8_quantize(const __nv_bfloat16* x, uint8_t* values, uint8
                                   int64_t rows, int64_t k, int64_t n_rows, bool rceil, bool blocked,
                                   cudaStream_t stream);
 
+// scales: (rows, kb) bytes, rows % 128 == 0, kb % 4 == 0, row-major <-> the layout of
+// pack_scales_blocked (each 128-row tile row's blocked bytes after the previous one's); unpack:
+// src is the blocked one. src and dst are 4-byte aligned and do not overlap. No host
+// synchronization.
+cudaError_t launch_mxfp8_scales_blocked(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t kb,
+                                        bool unpack, cudaStream_t stream);
+
 }  // namespace prime_moe
