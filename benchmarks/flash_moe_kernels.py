@@ -98,6 +98,15 @@ def main(argv=None):
             torch.cuda.synchronize()
             if args.steps == 0:  # under ncu, which profiles the launches itself
                 continue
+            # The steps back to back, timed by events: what the GPU spends beyond the sum of
+            # the kernels (gaps between launches, host time it waits for) is the difference.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.steps):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            wall_ms = start.elapsed_time(end) / args.steps
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.steps):
                     step()
@@ -111,7 +120,10 @@ def main(argv=None):
                 ms, _ = rows.get(name, (0.0, flops))
                 rows[name] = (ms + us / 1000 / args.steps, flops)
             total = sum(ms for ms, _ in rows.values())
-            print(f"== {label} T={T} ({args.routing} routing): {total:.3f} ms of kernels a step")
+            print(
+                f"== {label} T={T} ({args.routing} routing): {total:.3f} ms of kernels a step, "
+                f"{wall_ms:.3f} ms a step back to back (events, without the profiler)"
+            )
             for name, (ms, flops) in sorted(rows.items(), key=lambda r: -r[1][0]):
                 rate = f"{flops * T * k * D * H / ms / 1e9:7.0f} TFLOP/s" if flops else ""
                 print(f"  {ms:8.3f} ms  {rate:>15}  {name}")
