@@ -156,11 +156,11 @@ FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& prob
   // spell out the original's defaults (64, 4, 2) get the fast tile, not a 2-stage one.
   const bool original = requested.warp_n == 4 || requested.warp_n == 8;
   if (original || requested.block_n == 0) {
-    // 128: gate/up tiles of block_m x (128 gate + 128 up) and down tiles of block_m x 256,
-    // the largest whose fp32 accumulators (128 per consumer thread) fit the 232-register
-    // consumer budget. 64 when even that gives fewer tiles than SMs (decode-sized T,
-    // weight-bandwidth-bound): more CTAs streaming weights. Real blocks are at most one
-    // partial block per routed expert plus T*k / block_m full ones.
+    // 128: gate/up tiles of block_m x (128 gate + 128 up), the largest whose fp32
+    // accumulators (128 per consumer thread) fit the 232-register consumer budget, and the
+    // down GEMM's ping-pong 128 x 128 tiles (ForwardKernels). 64 when even that gives fewer tiles
+    // than SMs (decode-sized T, weight-bandwidth-bound): more CTAs streaming weights. Real blocks
+    // are at most one partial block per routed expert plus T*k / block_m full ones.
     const int64_t pairs = problem.num_tokens * problem.top_k;
     const int64_t blocks = std::min(problem.max_padded / block_m,
                                     std::min(problem.num_experts, pairs) + pairs / block_m);
