@@ -90,7 +90,7 @@ std::string list_values(std::integer_sequence<int, kValues...>) {
   return text;
 }
 
-constexpr int kConsumerWarpgroups = 2;  // CooperativeConsumers: the only consumer layout
+constexpr int kConsumerWarpgroups = 2;  // both consumer schedules (tile.cuh) run two
 constexpr int kMinStages = 2;           // one stage would serialize copies and math
 // Past 8 stages (8 x 32 KB at block_n = 64) the ring already covers DRAM latency.
 constexpr int kMaxStages = 8;
