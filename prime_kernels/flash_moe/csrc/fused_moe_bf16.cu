@@ -167,7 +167,7 @@ FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& prob
     const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
     c.block_n = (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device)) ? 64 : 128;
   }
-  // The consumers are always two cooperative warpgroups; warp_n only chose the tile above.
+  // The consumers are always two warpgroups (tile.cuh); warp_n only chose the tile above.
   c.warp_n = kConsumerWarpgroups;
   // As deep as the shared memory allows (4 stages of 48 KB at 128 x 128): the ring hides
   // DRAM latency and the gather's cp.async round trips.
