@@ -299,13 +299,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
   const cudaStream_t stream = current_stream(fwd.device);
   Tensor workspace = bytes(moe_backward_workspace_bytes(problem));
   {
-    Tensor y1s = bytes(moe_backward_y1s_bytes(problem));
+    Tensor scratch = bytes(moe_backward_scratch_bytes(problem));
     check_cuda(op, launch_moe_backward(problem, workspace.mutable_data_ptr(),
-                                       y1s.mutable_data_ptr(), stream));
-  }  // y1s's memory goes back to the caching allocator (stream-ordered) before dw takes its own
+                                       scratch.mutable_data_ptr(), stream));
+  }  // the scratch goes back to the caching allocator (stream-ordered) before dw takes its own
   Tensor dw = grad(need_dw, {E, 2 * H, D}, w);
   problem.dw = need_dw ? static_cast<__nv_bfloat16*>(dw.mutable_data_ptr()) : nullptr;
-  check_cuda(op, launch_moe_backward_dw(problem, workspace.mutable_data_ptr(), stream));
+  Tensor dw_scratch = bytes(moe_backward_dw_scratch_bytes(problem));
+  check_cuda(op, launch_moe_backward_dw(problem, workspace.mutable_data_ptr(),
+                                        dw_scratch.mutable_data_ptr(), stream));
   return {dx, dw, dw2, dtopk_weights};
 }
 

@@ -13,7 +13,8 @@
 //             token's k rows in order j = 0..k-1;
 //   ds        ds[p] = sum of p's <dh', h> slices, in slice order;
 //   dw        (the second launch) x copied into padded-row order (xs), then dW_e = dz^T xs
-//             over e's rows (2H x D x rows, K-grouped).
+//             over e's rows (2H x D x rows, K-grouped), one column slice of x at a time
+//             where that saves memory (dw_column_chunk).
 // Nothing is accumulated with atomics and every sum has a fixed order, so the gradients are
 // bitwise repeatable. A weight gradient is one CTA per output tile over all of the
 // expert's rows (as many tiles per expert as the gradient has, so all-tokens-on-k-experts
@@ -59,38 +60,65 @@ int routing_grad_slices(int64_t hidden_dim) {
   return int((hidden_dim + kSlice - 1) / kSlice);
 }
 
+// What both launches read: dz and the experts' segments.
 struct Workspace {
-  __nv_bfloat16* dz;    // (max_padded, 2H): z's memory with overwrite_z
-  __nv_bfloat16* rows;  // (max_padded, D): dOs for dh and dw2, dxe for dx, then xs for dw
-  float* ds_part;       // (T * k, slices) when the routing weights' gradient is asked
-  int32_t* segments;    // (2E,): starts[E], then ends[E]
+  __nv_bfloat16* dz;   // (max_padded, 2H): z's memory with overwrite_z
+  int32_t* segments;   // (2E,): starts[E], then ends[E]
   size_t bytes;
 };
 
-// dxe is written after dw2 has read dOs, xs after the combine has read dxe (stream order),
-// so the three share one buffer.
+// What only the first launch reads, released before dW's output is allocated.
+struct Scratch {
+  __nv_bfloat16* rows;  // (max_padded, D): dOs for dh and dw2, then dxe for dx
+  __nv_bfloat16* y1s;   // (max_padded, H) when dW2 is asked
+  float* ds_part;       // (T * k, slices) when the routing weights' gradient is asked
+  size_t bytes;
+};
+
 Workspace carve_workspace(const MoeBackwardProblem& pr, void* base) {
   uint8_t* p = static_cast<uint8_t*>(base);
   Workspace ws{};
   size_t off = 0;
-  const size_t rows = size_t(pr.max_padded);
   if (pr.overwrite_z) {
     ws.dz = pr.z;
   } else {
     ws.dz = reinterpret_cast<__nv_bfloat16*>(p + off);
-    off += align256(rows * 2 * pr.hidden_dim * sizeof(__nv_bfloat16));
-  }
-  ws.rows = reinterpret_cast<__nv_bfloat16*>(p + off);
-  off += align256(rows * pr.dim * sizeof(__nv_bfloat16));
-  if (pr.dtopk_weights != nullptr) {
-    ws.ds_part = reinterpret_cast<float*>(p + off);
-    off += align256(size_t(pr.num_tokens * pr.top_k) * routing_grad_slices(pr.hidden_dim) *
-                    sizeof(float));
+    off += align256(size_t(pr.max_padded) * 2 * pr.hidden_dim * sizeof(__nv_bfloat16));
   }
   ws.segments = reinterpret_cast<int32_t*>(p + off);
   off += align256(size_t(2 * pr.num_experts) * sizeof(int32_t));
   ws.bytes = off;
   return ws;
+}
+
+// dxe is written after dw2 has read dOs (stream order), so the two share one buffer.
+Scratch carve_scratch(const MoeBackwardProblem& pr, void* base) {
+  uint8_t* p = static_cast<uint8_t*>(base);
+  Scratch sc{};
+  size_t off = 0;
+  sc.rows = reinterpret_cast<__nv_bfloat16*>(p + off);
+  off += align256(size_t(pr.max_padded) * pr.dim * sizeof(__nv_bfloat16));
+  if (pr.dw2 != nullptr) {
+    sc.y1s = reinterpret_cast<__nv_bfloat16*>(p + off);
+    off += align256(size_t(pr.max_padded) * pr.hidden_dim * sizeof(__nv_bfloat16));
+  }
+  if (pr.dtopk_weights != nullptr) {
+    sc.ds_part = reinterpret_cast<float*>(p + off);
+    off += align256(size_t(pr.num_tokens * pr.top_k) * routing_grad_slices(pr.hidden_dim) *
+                    sizeof(float));
+  }
+  sc.bytes = off;
+  return sc;
+}
+
+// Columns of x that dW's padded-row copy xs holds at a time. The copy is the largest buffer
+// of dW's launch, alive next to dW itself: in two column halves it takes half the memory,
+// each half a launch of its own, which reads dz a second time. That costs at most dW's own
+// write traffic (max_padded * 2H <= E * 2H * D) where it is done; at larger T (where every
+// gradient is small next to the activations) xs stays whole.
+int dw_column_chunk(const MoeBackwardProblem& pr) {
+  const bool halve = pr.dim % 128 == 0 && pr.max_padded <= pr.num_experts * pr.dim;
+  return int(halve ? pr.dim / 2 : pr.dim);
 }
 
 MoeGemmParams routing_params(const MoeBackwardProblem& pr, const Workspace& ws) {
@@ -125,13 +153,20 @@ cudaError_t launch_expert_segments(const MoeBackwardProblem& pr, const Workspace
   return cudaGetLastError();
 }
 
-// The token rows of src (T, D): x or dO, into padded-row order in ws.rows (zeros in padding
-// rows).
-cudaError_t launch_gather_rows(const MoeBackwardProblem& pr, const __nv_bfloat16* src,
-                               const Workspace& ws, cudaStream_t stream) {
-  const GatherRowsParams gp{
-      src,         pr.sorted_token_ids, pr.num_tokens_post_padded,     ws.rows,
-      int(pr.dim), int(pr.top_k),       int(pr.num_tokens * pr.top_k), int(pr.max_padded)};
+// Columns [col0, col0 + cols) of src's token rows (T, D): x or dO, into padded-row order in
+// dst (max_padded, cols), zeros in padding rows.
+cudaError_t launch_gather_rows(const MoeBackwardProblem& pr, const __nv_bfloat16* src, int col0,
+                               int cols, __nv_bfloat16* dst, cudaStream_t stream) {
+  const GatherRowsParams gp{src,
+                            pr.sorted_token_ids,
+                            pr.num_tokens_post_padded,
+                            dst,
+                            int(pr.dim),
+                            col0,
+                            cols,
+                            int(pr.top_k),
+                            int(pr.num_tokens * pr.top_k),
+                            int(pr.max_padded)};
   moe_gather_rows_kernel<<<unsigned((pr.max_padded + kGatherRowsPerCta - 1) / kGatherRowsPerCta),
                            kGatherRowsThreads, 0, stream>>>(gp);
   return cudaGetLastError();
@@ -166,16 +201,19 @@ size_t moe_backward_workspace_bytes(const MoeBackwardProblem& problem) {
   return carve_workspace(problem, nullptr).bytes;
 }
 
-size_t moe_backward_y1s_bytes(const MoeBackwardProblem& problem) {
-  if (problem.dw2 == nullptr) return 0;
-  return align256(size_t(problem.max_padded) * problem.hidden_dim * sizeof(__nv_bfloat16));
+size_t moe_backward_scratch_bytes(const MoeBackwardProblem& problem) {
+  return carve_scratch(problem, nullptr).bytes;
 }
 
-cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, void* y1s,
+size_t moe_backward_dw_scratch_bytes(const MoeBackwardProblem& problem) {
+  if (!problem.need_dw) return 0;
+  return align256(size_t(problem.max_padded) * dw_column_chunk(problem) * sizeof(__nv_bfloat16));
+}
+
+cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, void* scratch,
                                 cudaStream_t stream) {
   const bool any = pr.dx || pr.need_dw || pr.dw2 || pr.dtopk_weights;
   if (!any) return cudaSuccess;
-  if (pr.dw2 != nullptr && y1s == nullptr && pr.max_padded > 0) return cudaErrorInvalidValue;
   const int D = int(pr.dim), H = int(pr.hidden_dim), E = int(pr.num_experts);
   const int num_pairs = int(pr.num_tokens * pr.top_k);
   cudaError_t err;
@@ -197,12 +235,12 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
   const int num_sms = usable_sms(pr.device);
   if (num_sms == 0) return cudaErrorInvalidDevice;
   const uint64_t rows = uint64_t(pr.max_padded);
+  const Scratch sc = carve_scratch(pr, scratch);
   const MoeGemmParams g = routing_params(pr, ws);
-  __nv_bfloat16* y1s_rows = static_cast<__nv_bfloat16*>(y1s);
 
   if (pr.dw2 != nullptr)
     if ((err = launch_expert_segments(pr, ws, stream)) != cudaSuccess) return err;
-  if ((err = launch_gather_rows(pr, pr.grad_out, ws, stream)) != cudaSuccess) return err;
+  if ((err = launch_gather_rows(pr, pr.grad_out, 0, D, sc.rows, stream)) != cudaSuccess) return err;
 
   using prime_kernels::make_tma_2d_bf16_sw128;
   CUtensorMap tmap_w2_t, tmap_w_t, tmap_dos_rows, tmap_dos_k, tmap_y1s_k, tmap_dz_rows;
@@ -210,15 +248,15 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
     return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_w_t, pr.w, uint64_t(E) * 2 * H, D, 64)) != cudaSuccess)
     return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_rows, ws.rows, rows, D, DhTile::kBlockM)) !=
+  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_rows, sc.rows, rows, D, DhTile::kBlockM)) !=
       cudaSuccess)
     return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_k, ws.rows, rows, D, 64)) != cudaSuccess) return err;
+  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_k, sc.rows, rows, D, 64)) != cudaSuccess) return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_dz_rows, ws.dz, rows, 2 * H, WideTile::kBlockM)) !=
       cudaSuccess)
     return err;
   if (pr.dw2 != nullptr)
-    if ((err = make_tma_2d_bf16_sw128(&tmap_y1s_k, y1s_rows, rows, H, 64)) != cudaSuccess)
+    if ((err = make_tma_2d_bf16_sw128(&tmap_y1s_k, sc.y1s, rows, H, 64)) != cudaSuccess)
       return err;
 
   // dh, with the SwiGLU backward: dz, y1s, <dh', h> slices.
@@ -229,8 +267,8 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
   dh.out = pr.dx != nullptr || pr.need_dw ? ws.dz : nullptr;  // only dxe and dW read dz
   dh.ld_out = 2 * H;
   dh.z = pr.z;
-  dh.y1s = pr.dw2 != nullptr ? y1s_rows : nullptr;
-  dh.ds_part = ws.ds_part;
+  dh.y1s = sc.y1s;
+  dh.ds_part = sc.ds_part;
   dh.ld_ds = routing_grad_slices(H);
   if ((err = launch_with_ring<DhKernel>(tmap_dos_rows, tmap_w2_t, dh, pr.device, num_sms,
                                         stream)) != cudaSuccess)
@@ -252,12 +290,12 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
     dxe.k_dim = 2 * H;
     dxe.n_dim = D;
     dxe.b_rows_per_expert = 2 * H;
-    dxe.out = ws.rows;
+    dxe.out = sc.rows;
     dxe.ld_out = D;
     if ((err = launch_with_ring<DxKernel>(tmap_dz_rows, tmap_w_t, dxe, pr.device, num_sms,
                                           stream)) != cudaSuccess)
       return err;
-    const CombineParams cp{ws.rows, pr.pair_to_row, nullptr,           pr.dx,
+    const CombineParams cp{sc.rows, pr.pair_to_row, nullptr,           pr.dx,
                            D,       int(pr.top_k),  int(pr.max_padded)};
     moe_combine_kernel<<<unsigned(pr.num_tokens), kCombineThreads, 0, stream>>>(cp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -266,7 +304,7 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
   if (pr.dtopk_weights != nullptr) {
     moe_routing_weight_grad_kernel<<<(num_pairs + kRoutingGradThreads - 1) / kRoutingGradThreads,
                                      kRoutingGradThreads, 0, stream>>>(
-        ws.ds_part, routing_grad_slices(H), pr.pair_to_row, num_pairs, int(pr.max_padded),
+        sc.ds_part, routing_grad_slices(H), pr.pair_to_row, num_pairs, int(pr.max_padded),
         pr.dtopk_weights);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
@@ -274,7 +312,7 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
 }
 
 cudaError_t launch_moe_backward_dw(const MoeBackwardProblem& pr, void* workspace,
-                                   cudaStream_t stream) {
+                                   void* dw_scratch, cudaStream_t stream) {
   if (!pr.need_dw) return cudaSuccess;
   if (pr.dw == nullptr) return cudaErrorInvalidValue;
   const int D = int(pr.dim), H = int(pr.hidden_dim), E = int(pr.num_experts);
@@ -287,18 +325,29 @@ cudaError_t launch_moe_backward_dw(const MoeBackwardProblem& pr, void* workspace
   // The first launch built the segments for dW2.
   if (pr.dw2 == nullptr)
     if ((err = launch_expert_segments(pr, ws, stream)) != cudaSuccess) return err;
-  if ((err = launch_gather_rows(pr, pr.x, ws, stream)) != cudaSuccess) return err;
   const uint64_t rows = uint64_t(pr.max_padded);
-  CUtensorMap tmap_dz_k, tmap_xs_k;
   using prime_kernels::make_tma_2d_bf16_sw128;
+  CUtensorMap tmap_dz_k;
   if ((err = make_tma_2d_bf16_sw128(&tmap_dz_k, ws.dz, rows, 2 * H, 64)) != cudaSuccess) return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_xs_k, ws.rows, rows, D, 64)) != cudaSuccess) return err;
-  MoeGemmParams dw = routing_params(pr, ws);
-  dw.m_dim = 2 * H;
-  dw.n_dim = D;
-  dw.out = pr.dw;
-  dw.ld_out = D;
-  return launch_with_ring<WeightGradKernel>(tmap_dz_k, tmap_xs_k, dw, pr.device, num_sms, stream);
+  __nv_bfloat16* xs = static_cast<__nv_bfloat16*>(dw_scratch);
+  const int chunk = dw_column_chunk(pr);
+  // Each column slice of x: copied into padded-row order (xs), then dW's columns
+  // [col0, col0 + chunk) of every expert = dz^T xs (the copy of the next slice waits, in
+  // stream order, for this GEMM to have read xs).
+  for (int col0 = 0; col0 < D; col0 += chunk) {
+    if ((err = launch_gather_rows(pr, pr.x, col0, chunk, xs, stream)) != cudaSuccess) return err;
+    CUtensorMap tmap_xs_k;
+    if ((err = make_tma_2d_bf16_sw128(&tmap_xs_k, xs, rows, chunk, 64)) != cudaSuccess) return err;
+    MoeGemmParams dw = routing_params(pr, ws);
+    dw.m_dim = 2 * H;
+    dw.n_dim = chunk;
+    dw.out = pr.dw + col0;
+    dw.ld_out = D;
+    if ((err = launch_with_ring<WeightGradKernel>(tmap_dz_k, tmap_xs_k, dw, pr.device, num_sms,
+                                                  stream)) != cudaSuccess)
+      return err;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace prime_moe

@@ -48,23 +48,25 @@ struct MoeBackwardProblem {
 // shared memory for its rings.
 std::string check_moe_backward(const MoeBackwardProblem& problem);
 
-// The backward is two launches, so that the memory of dW2's operand y1s = bf16(s h)
-// (max_padded, H) is free again before dW's output (E, 2H, D) is allocated: the caller
-// allocates the workspace and y1s's memory, runs launch_moe_backward, releases y1s's memory
-// (stream-ordered), allocates dw and runs launch_moe_backward_dw on the same stream with the
-// same workspace.
-// Scratch device memory (256-byte aligned) the two launches share, and y1s's, for the
-// gradients asked for.
+// The backward is two launches, so that the first launch's buffers are free again before
+// dW's output (E, 2H, D) is allocated. Three scratch allocations, each 256-byte aligned, for
+// the gradients asked for: the workspace both launches read (dz, the experts' segments);
+// the first launch's scratch (dO and then dx per pair in padded-row order, y1s = bf16(s h)
+// for dW2, the routing weights' partial sums), released (stream-ordered) once it has run;
+// and dW's (x in padded-row order, a column slice at a time), allocated next to dW. The
+// caller runs launch_moe_backward, releases its scratch, allocates dw and dW's scratch and
+// runs launch_moe_backward_dw on the same stream with the same workspace.
 size_t moe_backward_workspace_bytes(const MoeBackwardProblem& problem);
-size_t moe_backward_y1s_bytes(const MoeBackwardProblem& problem);
+size_t moe_backward_scratch_bytes(const MoeBackwardProblem& problem);
+size_t moe_backward_dw_scratch_bytes(const MoeBackwardProblem& problem);
 
 // Enqueues every gradient but dW on `stream`; no host synchronization. Every element of
 // each gradient asked for is written. Bitwise repeatable: no atomics, every sum in a fixed
 // order.
-cudaError_t launch_moe_backward(const MoeBackwardProblem& problem, void* workspace, void* y1s,
-                                cudaStream_t stream);
+cudaError_t launch_moe_backward(const MoeBackwardProblem& problem, void* workspace,
+                                void* scratch, cudaStream_t stream);
 // Enqueues dW (when need_dw; problem.dw set), after launch_moe_backward on the same stream.
 cudaError_t launch_moe_backward_dw(const MoeBackwardProblem& problem, void* workspace,
-                                   cudaStream_t stream);
+                                   void* dw_scratch, cudaStream_t stream);
 
 }  // namespace prime_moe

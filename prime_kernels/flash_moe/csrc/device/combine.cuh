@@ -7,7 +7,7 @@
 // moe_routing_weight_grad_kernel: the backward's ds[p] = sum_n ds_part[p][n] in order
 // n = 0.., 0 for a dropped pair.
 // moe_gather_rows_kernel, the combine's inverse: dst[r] = src[token of the pair in padded
-// row r], zeros in padding rows, so that a K-grouped GEMM reads both operands by TMA (the
+// row r] (a slice of its columns), zeros in padding rows, so that a K-grouped GEMM reads both operands by TMA (the
 // backward's dW: gathering x along K inside the GEMM ran at 190 TFLOP/s, TMA rows at 600).
 #pragma once
 
@@ -88,8 +88,10 @@ struct GatherRowsParams {
   const __nv_bfloat16* src;               // (T, D)
   const int32_t* sorted_token_ids;        // (max_padded,) flat pair index or -1
   const int32_t* num_tokens_post_padded;  // rows at and past it are not written
-  __nv_bfloat16* dst;                     // (max_padded, D)
-  int dim, top_k, num_pairs;
+  __nv_bfloat16* dst;                     // (max_padded, cols)
+  int dim;                                // D: elements between src's token rows
+  int col0, cols;                         // the columns of src copied (multiples of 8)
+  int top_k, num_pairs;
   int rows;  // max_padded
 };
 
@@ -102,11 +104,11 @@ static __global__ void __launch_bounds__(kGatherRowsThreads)
   if (row >= min(p.rows, *p.num_tokens_post_padded)) return;
   const int pair = p.sorted_token_ids[row];
   const bool routed = pair >= 0 && pair < p.num_pairs;
-  const uint4* src =
-      reinterpret_cast<const uint4*>(p.src + size_t(routed ? pair / p.top_k : 0) * p.dim);
-  uint4* dst = reinterpret_cast<uint4*>(p.dst + size_t(row) * p.dim);
+  const uint4* src = reinterpret_cast<const uint4*>(
+      p.src + size_t(routed ? pair / p.top_k : 0) * p.dim + p.col0);
+  uint4* dst = reinterpret_cast<uint4*>(p.dst + size_t(row) * p.cols);
 #pragma unroll 4
-  for (int c = threadIdx.x % 32; c < p.dim / 8; c += 32)
+  for (int c = threadIdx.x % 32; c < p.cols / 8; c += 32)
     dst[c] = routed ? src[c] : make_uint4(0, 0, 0, 0);
 }
 

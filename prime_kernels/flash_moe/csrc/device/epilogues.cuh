@@ -63,31 +63,48 @@ struct SwiGluToH {
 
   // h rows are the padded-sorted rows; padding rows hold zeros (or nothing, in a skipped
   // half), which only padding rows of the down GEMM see. z's padding rows are never read.
+  // 16-byte stores as in StoreRows: lane q of a quad stores the 8 columns of j = 4a + q after
+  // a quad transpose, so each row's 32 columns per group are two whole sectors.
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
                                                const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
                                                const MoeWorkTile& /*w*/, int row0, int col0) {
     using namespace prime_kernels;
     constexpr int kHalf = kMmas * kRegs / 2;  // flat offset of the up columns
+    constexpr int kGroups = kHalf * 2 / 32;   // 32-column groups of the gate (and up) half
+    static_assert(kHalf * 2 % 32 == 0, "whole 32-column groups per warpgroup");
+    const int lane_col = 8 * (threadIdx.x % 4);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const size_t row = size_t(row0 + wgmma_acc_row(i));
       __nv_bfloat16* dst = p.out + row * p.ld_out;
 #pragma unroll
-      for (int j = 0; j < kHalf / 4; ++j) {
-        const int col = col0 + wgmma_acc_col(j);
+      for (int a = 0; a < kGroups; ++a) {
+        uint32_t h[4], g[4], u[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int f = 4 * (4 * a + t) + 2 * i;
+          const float g0 = wgmma_acc_at(acc, f), g1 = wgmma_acc_at(acc, f + 1);
+          const float u0 = wgmma_acc_at(acc, kHalf + f), u1 = wgmma_acc_at(acc, kHalf + f + 1);
+          h[t] = bf162_bits(__floats2bfloat162_rn(g0 / (1.0f + __expf(-g0)) * u0,
+                                                  g1 / (1.0f + __expf(-g1)) * u1));
+          if constexpr (kKeepZ) {
+            g[t] = bf162_bits(__floats2bfloat162_rn(g0, g1));
+            u[t] = bf162_bits(__floats2bfloat162_rn(u0, u1));
+          }
+        }
+        quad_transpose(h);
+        if constexpr (kKeepZ) {
+          quad_transpose(g);
+          quad_transpose(u);
+        }
+        const int col = col0 + 32 * a + lane_col;
         if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
-        const float g0 = wgmma_acc_at(acc, 4 * j + 2 * i);
-        const float g1 = wgmma_acc_at(acc, 4 * j + 2 * i + 1);
-        const float u0 = wgmma_acc_at(acc, kHalf + 4 * j + 2 * i);
-        const float u1 = wgmma_acc_at(acc, kHalf + 4 * j + 2 * i + 1);
-        const float h0 = g0 / (1.0f + __expf(-g0)) * u0;
-        const float h1 = g1 / (1.0f + __expf(-g1)) * u1;
-        *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
+        *reinterpret_cast<uint4*>(dst + col) = make_uint4(h[0], h[1], h[2], h[3]);
         if constexpr (kKeepZ) {
           __nv_bfloat16* z = p.z + row * (2 * size_t(p.n_dim));
-          *reinterpret_cast<__nv_bfloat162*>(z + col) = __floats2bfloat162_rn(g0, g1);
-          *reinterpret_cast<__nv_bfloat162*>(z + p.n_dim + col) = __floats2bfloat162_rn(u0, u1);
+          *reinterpret_cast<uint4*>(z + col) = make_uint4(g[0], g[1], g[2], g[3]);
+          *reinterpret_cast<uint4*>(z + p.n_dim + col) = make_uint4(u[0], u[1], u[2], u[3]);
         }
       }
     }
@@ -250,8 +267,9 @@ struct SwiGluBackward {
   }
 };
 
-// Expert w.expert's (m_dim, n_dim) weight gradient at p.out + expert * m_dim * n_dim, row
-// major; rows and columns past the gradient's extent (partial last tiles) are not written.
+// Expert w.expert's (m_dim, n_dim) weight gradient at p.out + expert * m_dim * ld_out, row
+// major with ld_out elements between rows (n_dim < ld_out: a column slice of the gradient);
+// rows and columns past the slice's extent (partial last tiles) are not written.
 struct StoreExpertTile {
   static constexpr int kNumB = 1;
   static constexpr bool kWritesPaddingRows = false;
@@ -261,7 +279,7 @@ struct StoreExpertTile {
                                                const float (&acc)[kMmas][kRegs], bool acc_valid,
                                                const MoeWorkTile& w, int row0, int col0) {
     using namespace prime_kernels;
-    __nv_bfloat16* grad = p.out + size_t(w.expert) * p.m_dim * p.n_dim;
+    __nv_bfloat16* grad = p.out + size_t(w.expert) * p.m_dim * p.ld_out;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = row0 + wgmma_acc_row(i);
