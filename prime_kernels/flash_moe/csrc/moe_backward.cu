@@ -62,8 +62,8 @@ int routing_grad_slices(int64_t hidden_dim) {
 
 // What both launches read: dz and the experts' segments.
 struct Workspace {
-  __nv_bfloat16* dz;   // (max_padded, 2H): z's memory with overwrite_z
-  int32_t* segments;   // (2E,): starts[E], then ends[E]
+  __nv_bfloat16* dz;  // (max_padded, 2H): z's memory with overwrite_z
+  int32_t* segments;  // (2E,): starts[E], then ends[E]
   size_t bytes;
 };
 
@@ -256,8 +256,7 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
       cudaSuccess)
     return err;
   if (pr.dw2 != nullptr)
-    if ((err = make_tma_2d_bf16_sw128(&tmap_y1s_k, sc.y1s, rows, H, 64)) != cudaSuccess)
-      return err;
+    if ((err = make_tma_2d_bf16_sw128(&tmap_y1s_k, sc.y1s, rows, H, 64)) != cudaSuccess) return err;
 
   // dh, with the SwiGLU backward: dz, y1s, <dh', h> slices.
   MoeGemmParams dh = g;
@@ -311,8 +310,8 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
   return cudaSuccess;
 }
 
-cudaError_t launch_moe_backward_dw(const MoeBackwardProblem& pr, void* workspace,
-                                   void* dw_scratch, cudaStream_t stream) {
+cudaError_t launch_moe_backward_dw(const MoeBackwardProblem& pr, void* workspace, void* dw_scratch,
+                                   cudaStream_t stream) {
   if (!pr.need_dw) return cudaSuccess;
   if (pr.dw == nullptr) return cudaErrorInvalidValue;
   const int D = int(pr.dim), H = int(pr.hidden_dim), E = int(pr.num_experts);

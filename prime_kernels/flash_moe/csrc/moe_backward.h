@@ -63,8 +63,8 @@ size_t moe_backward_dw_scratch_bytes(const MoeBackwardProblem& problem);
 // Enqueues every gradient but dW on `stream`; no host synchronization. Every element of
 // each gradient asked for is written. Bitwise repeatable: no atomics, every sum in a fixed
 // order.
-cudaError_t launch_moe_backward(const MoeBackwardProblem& problem, void* workspace,
-                                void* scratch, cudaStream_t stream);
+cudaError_t launch_moe_backward(const MoeBackwardProblem& problem, void* workspace, void* scratch,
+                                cudaStream_t stream);
 // Enqueues dW (when need_dw; problem.dw set), after launch_moe_backward on the same stream.
 cudaError_t launch_moe_backward_dw(const MoeBackwardProblem& problem, void* workspace,
                                    void* dw_scratch, cudaStream_t stream);

@@ -7,8 +7,9 @@
 // moe_routing_weight_grad_kernel: the backward's ds[p] = sum_n ds_part[p][n] in order
 // n = 0.., 0 for a dropped pair.
 // moe_gather_rows_kernel, the combine's inverse: dst[r] = src[token of the pair in padded
-// row r] (a slice of its columns), zeros in padding rows, so that a K-grouped GEMM reads both operands by TMA (the
-// backward's dW: gathering x along K inside the GEMM ran at 190 TFLOP/s, TMA rows at 600).
+// row r] (a slice of its columns), zeros in padding rows, so that a K-grouped GEMM reads both
+// operands by TMA (the backward's dW: gathering x along K inside the GEMM ran at 190 TFLOP/s, TMA
+// rows at 600).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -104,8 +105,8 @@ static __global__ void __launch_bounds__(kGatherRowsThreads)
   if (row >= min(p.rows, *p.num_tokens_post_padded)) return;
   const int pair = p.sorted_token_ids[row];
   const bool routed = pair >= 0 && pair < p.num_pairs;
-  const uint4* src = reinterpret_cast<const uint4*>(
-      p.src + size_t(routed ? pair / p.top_k : 0) * p.dim + p.col0);
+  const uint4* src =
+      reinterpret_cast<const uint4*>(p.src + size_t(routed ? pair / p.top_k : 0) * p.dim + p.col0);
   uint4* dst = reinterpret_cast<uint4*>(p.dst + size_t(row) * p.cols);
 #pragma unroll 4
   for (int c = threadIdx.x % 32; c < p.cols / 8; c += 32)
