@@ -33,8 +33,9 @@ struct MoeBackwardProblem {
   __nv_bfloat16* dw2;                     // (E, D, H) or null
   float* dtopk_weights;                   // (T * k,) or null
   bool need_dw = false;                   // dw is asked (launch_moe_backward_dw writes it)
-  // dz into z's memory: dh reads a row's g, u and writes its dz at the same addresses (the
-  // same thread, loads first), which saves the (max_padded, 2H) workspace. Only when z is
+  // dz into z's memory: dh reads a row's g, u and writes its dz at the same addresses (one
+  // quad of one warp: each store's data is computed from the loads of its own addresses),
+  // which saves the (max_padded, 2H) workspace. Only when z is
   // not read again (autograd does not keep the graph).
   bool overwrite_z = false;
   int64_t num_tokens, dim, hidden_dim, num_experts, top_k, max_padded, block_m;

@@ -86,8 +86,11 @@ struct SwiGluToH {
           const int f = 4 * (4 * a + t) + 2 * i;
           const float g0 = wgmma_acc_at(acc, f), g1 = wgmma_acc_at(acc, f + 1);
           const float u0 = wgmma_acc_at(acc, kHalf + f), u1 = wgmma_acc_at(acc, kHalf + f + 1);
-          h[t] = bf162_bits(__floats2bfloat162_rn(g0 / (1.0f + __expf(-g0)) * u0,
-                                                  g1 / (1.0f + __expf(-g1)) * u1));
+          // silu(g) = g / (1 + e^-g) with the approximate divide (2 ulp; h is rounded to
+          // bf16): the IEEE one is a subroutine, and this epilogue runs while the tensor
+          // cores wait.
+          h[t] = bf162_bits(__floats2bfloat162_rn(__fdividef(g0, 1.0f + __expf(-g0)) * u0,
+                                                  __fdividef(g1, 1.0f + __expf(-g1)) * u1));
           if constexpr (kKeepZ) {
             g[t] = bf162_bits(__floats2bfloat162_rn(g0, g1));
             u[t] = bf162_bits(__floats2bfloat162_rn(u0, u1));
@@ -191,7 +194,10 @@ struct SwiGluBackward {
                                                const MoeWorkTile& /*w*/, int row0, int col0) {
     using namespace prime_kernels;
     constexpr int kCols = kMmas * kRegs * 2;  // columns of this warpgroup's accumulators
+    constexpr int kGroups = kCols / 32;
+    static_assert(kCols % 32 == 0, "whole 32-column groups per warpgroup");
     const int H = p.n_dim;
+    const int lane_col = 8 * (threadIdx.x % 4);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const size_t row = size_t(row0 + wgmma_acc_row(i));
@@ -200,51 +206,50 @@ struct SwiGluBackward {
       const __nv_bfloat16* z = p.z + row * (2 * size_t(H));
       __nv_bfloat16* dz = p.out + row * (2 * size_t(H));
       __nv_bfloat16* y1s = p.y1s + row * size_t(H);
-      // 16-byte accesses: lane q of a quad moves the 8 columns of j = 4a + q (a 4x4 transpose
-      // of bf16x2 words inside the quad turns them into the accumulators' layout and back),
-      // so each row's 32 columns per group are two whole sectors, not eight half-used ones.
-      // The row's g and u first, every load in flight at once (the compiler cannot tell z
-      // from dz, so a store between two loads would serialize them).
-      constexpr int kGroups = kCols / 32;
-      const int lane_col = 8 * (threadIdx.x % 4);
-      uint4 g16[kGroups], u16[kGroups];
+      // The row's g and u in the accumulators' own layout (bf16x2 at the accumulator's
+      // columns: a quad reads 16 contiguous bytes, L1 merges the two halves of a sector),
+      // every load in flight at once: the compiler cannot tell z from dz, so a store between
+      // two loads would serialize them. The epilogue runs under the other warpgroup's
+      // mainloop only while it is shorter, so its instructions count: no transpose here.
+      uint32_t g[kGroups][4], u[kGroups][4];
 #pragma unroll
-      for (int a = 0; a < kGroups; ++a) {
-        const int col = col0 + 32 * a + lane_col;
+      for (int j = 0; j < kGroups * 4; ++j) {
+        const int col = col0 + wgmma_acc_col(j);
         const bool live = pair >= 0 && col < H;  // col >= H: partial last n tile
-        g16[a] = live ? *reinterpret_cast<const uint4*>(z + col) : make_uint4(0, 0, 0, 0);
-        u16[a] = live ? *reinterpret_cast<const uint4*>(z + H + col) : make_uint4(0, 0, 0, 0);
+        g[j / 4][j % 4] = live ? *reinterpret_cast<const uint32_t*>(z + col) : 0u;
+        u[j / 4][j % 4] = live ? *reinterpret_cast<const uint32_t*>(z + H + col) : 0u;
       }
       float ds = 0.f;
 #pragma unroll
       for (int a = 0; a < kGroups; ++a) {
-        uint32_t g[4] = {g16[a].x, g16[a].y, g16[a].z, g16[a].w};
-        uint32_t u[4] = {u16[a].x, u16[a].y, u16[a].z, u16[a].w};
-        quad_transpose(g);
-        quad_transpose(u);
         uint32_t dg[4], du[4], y[4];
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           const int j = 4 * a + t;
           if (pair >= 0) {  // a skipped half's accumulators hold nothing: never read them
-            const float2 gf = __bfloat1622float2(bit_cast_bf162(g[t]));
-            const float2 uf = __bfloat1622float2(bit_cast_bf162(u[t]));
+            const float2 gf = __bfloat1622float2(bit_cast_bf162(g[a][t]));
+            const float2 uf = __bfloat1622float2(bit_cast_bf162(u[a][t]));
             const float d0 = wgmma_acc_at(acc, 4 * j + 2 * i);
             const float d1 = wgmma_acc_at(acc, 4 * j + 2 * i + 1);
-            const float sig0 = 1.0f / (1.0f + __expf(-gf.x));
-            const float sig1 = 1.0f / (1.0f + __expf(-gf.y));
+            // Approximate reciprocal (2 ulp): the results are rounded to bf16.
+            const float sig0 = __fdividef(1.0f, 1.0f + __expf(-gf.x));
+            const float sig1 = __fdividef(1.0f, 1.0f + __expf(-gf.y));
             const float silu0 = gf.x * sig0, silu1 = gf.y * sig1;
             const float h0 = silu0 * uf.x, h1 = silu1 * uf.y;
             ds += d0 * h0 + d1 * h1;  // columns past H: g = u = 0, so h = 0
+            const float sd0 = s * d0, sd1 = s * d1;
             dg[t] = bf162_bits(
-                __floats2bfloat162_rn(s * d0 * uf.x * sig0 * (1.0f + gf.x * (1.0f - sig0)),
-                                      s * d1 * uf.y * sig1 * (1.0f + gf.y * (1.0f - sig1))));
-            du[t] = bf162_bits(__floats2bfloat162_rn(s * d0 * silu0, s * d1 * silu1));
+                __floats2bfloat162_rn(sd0 * uf.x * sig0 * (1.0f + gf.x * (1.0f - sig0)),
+                                      sd1 * uf.y * sig1 * (1.0f + gf.y * (1.0f - sig1))));
+            du[t] = bf162_bits(__floats2bfloat162_rn(sd0 * silu0, sd1 * silu1));
             y[t] = bf162_bits(__floats2bfloat162_rn(s * h0, s * h1));
           } else {
             dg[t] = du[t] = y[t] = 0u;
           }
         }
+        // 16-byte stores: lane q of a quad stores the 8 columns of j = 4a + q after a 4x4
+        // transpose of bf16x2 words inside the quad, so each row's 32 columns per group are
+        // two whole sectors, not eight half-written ones.
         quad_transpose(dg);
         quad_transpose(du);
         quad_transpose(y);
