@@ -284,19 +284,28 @@ struct StoreExpertTile {
                                                const float (&acc)[kMmas][kRegs], bool acc_valid,
                                                const MoeWorkTile& w, int row0, int col0) {
     using namespace prime_kernels;
+    // 16-byte stores after a quad transpose, as in StoreRows.
+    constexpr int kGroups = kMmas * kRegs * 2 / 32;
+    const int lane_col = 8 * (threadIdx.x % 4);
     __nv_bfloat16* grad = p.out + size_t(w.expert) * p.m_dim * p.ld_out;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = row0 + wgmma_acc_row(i);
-      if (row >= p.m_dim) continue;
       __nv_bfloat16* dst = grad + size_t(row) * p.ld_out;
 #pragma unroll
-      for (int j = 0; j < kMmas * kRegs / 4; ++j) {
-        const int col = col0 + wgmma_acc_col(j);
-        if (col >= p.n_dim) continue;
-        const float v0 = acc_valid ? wgmma_acc_at(acc, 4 * j + 2 * i) : 0.f;
-        const float v1 = acc_valid ? wgmma_acc_at(acc, 4 * j + 2 * i + 1) : 0.f;
-        *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(v0, v1);
+      for (int a = 0; a < kGroups; ++a) {
+        uint32_t v[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int j = 4 * a + t;
+          v[t] = acc_valid ? bf162_bits(__floats2bfloat162_rn(wgmma_acc_at(acc, 4 * j + 2 * i),
+                                                              wgmma_acc_at(acc, 4 * j + 2 * i + 1)))
+                           : 0u;
+        }
+        quad_transpose(v);
+        const int col = col0 + 32 * a + lane_col;
+        if (row >= p.m_dim || col >= p.n_dim) continue;  // partial last tiles
+        *reinterpret_cast<uint4*>(dst + col) = make_uint4(v[0], v[1], v[2], v[3]);
       }
     }
   }
