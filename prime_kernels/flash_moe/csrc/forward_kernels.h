@@ -300,10 +300,10 @@ inline Workspace carve_workspace(const FusedMoeBf16Problem& pr, bool split, size
 
 // The weights in the policy's format: pr.w, pr.w2 are not read (their type is bf16's).
 struct WeightOperands {
-  const void* w;               // (E, 2H, D)
-  const void* w2;              // (E, D, H)
-  const uint8_t* w_scales;     // MXFP8: blocked scales of each expert's (2H, D/32)
-  const uint8_t* w2_scales;    // MXFP8: blocked scales of each expert's (D, H/32)
+  const void* w;             // (E, 2H, D)
+  const void* w2;            // (E, D, H)
+  const uint8_t* w_scales;   // MXFP8: blocked scales of each expert's (2H, D/32)
+  const uint8_t* w2_scales;  // MXFP8: blocked scales of each expert's (D, H/32)
 };
 
 // A config that did not come from resolve (or a device that changed) never launches;
@@ -376,26 +376,22 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
     down.b_second_offset = 0;
     down.b_scales = weights.w2_scales;
 
-    const bool found =
-        with_forward_kernels<Weights>(int(pr.block_m), c.block_n, [&](auto kernels) {
-          using K = decltype(kernels);
-          if constexpr (Weights::kKeepsZ) {
-            err = pr.keep_z != nullptr
-                      ? launch_gemm<typename K::GateUpKeepZ>(tmap_w, tmap_w, gate_up, num_sms,
-                                                             stream)
-                      : launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
-          } else {
-            err = launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
-          }
-          if (err != cudaSuccess) return;
-          err = Weights::weight_map(&tmap_w2, weights.w2, uint64_t(E) * D, H,
-                                    K::DownTile::kBlockN);
-          if (err != cudaSuccess) return;
-          down.stages = K::down_stages(c.stages, pr.device, kMaxStages);
-          err = c.split
-                    ? launch_gemm<typename K::DownStore>(tmap_h, tmap_w2, down, num_sms, stream)
+    const bool found = with_forward_kernels<Weights>(int(pr.block_m), c.block_n, [&](auto kernels) {
+      using K = decltype(kernels);
+      if constexpr (Weights::kKeepsZ) {
+        err = pr.keep_z != nullptr
+                  ? launch_gemm<typename K::GateUpKeepZ>(tmap_w, tmap_w, gate_up, num_sms, stream)
+                  : launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
+      } else {
+        err = launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
+      }
+      if (err != cudaSuccess) return;
+      err = Weights::weight_map(&tmap_w2, weights.w2, uint64_t(E) * D, H, K::DownTile::kBlockN);
+      if (err != cudaSuccess) return;
+      down.stages = K::down_stages(c.stages, pr.device, kMaxStages);
+      err = c.split ? launch_gemm<typename K::DownStore>(tmap_h, tmap_w2, down, num_sms, stream)
                     : launch_gemm<typename K::DownAtomic>(tmap_h, tmap_w2, down, num_sms, stream);
-        });
+    });
     if (!found) return cudaErrorInvalidValue;  // unreachable after the checks
     if (err != cudaSuccess) return err;
   }

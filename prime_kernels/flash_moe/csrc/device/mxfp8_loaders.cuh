@@ -66,8 +66,9 @@ __device__ __forceinline__ uint32_t mxfp8_pair_to_bf16x2(uint32_t two, float sca
 
 // Eight e4m3 bytes (uint2, element 0 in the low byte) times `scale` as eight bf16 (uint4).
 __device__ __forceinline__ uint4 mxfp8_widen8(uint2 v, float scale) {
-  return make_uint4(mxfp8_pair_to_bf16x2(v.x & 0xFFFF, scale), mxfp8_pair_to_bf16x2(v.x >> 16, scale),
-                    mxfp8_pair_to_bf16x2(v.y & 0xFFFF, scale), mxfp8_pair_to_bf16x2(v.y >> 16, scale));
+  return make_uint4(
+      mxfp8_pair_to_bf16x2(v.x & 0xFFFF, scale), mxfp8_pair_to_bf16x2(v.x >> 16, scale),
+      mxfp8_pair_to_bf16x2(v.y & 0xFFFF, scale), mxfp8_pair_to_bf16x2(v.y >> 16, scale));
 }
 
 // kNumB weight tiles of kBlockN x 64 from the (E * b_rows_per_expert, K) e4m3 view of the
@@ -99,9 +100,9 @@ struct Mxfp8WeightTiles {
   static_assert(kSlotBytes % 512 == 0, "TMA and bulk-copy destinations stay 128-byte aligned");
 
   const int chunk, pass_row;
-  const uint32_t stage_offset;  // the thread's chunk in the swizzled bf16 stage, row pass_row
-  uint8_t* slots = nullptr;     // [kSlots][kSlotBytes], then kSlots mbarriers
-  uint32_t step = 0;            // K steps of every tile so far: slot step % kSlots
+  const uint32_t stage_offset;      // the thread's chunk in the swizzled bf16 stage, row pass_row
+  uint8_t* slots = nullptr;         // [kSlots][kSlotBytes], then kSlots mbarriers
+  uint32_t step = 0;                // K steps of every tile so far: slot step % kSlots
   const uint8_t* scales = nullptr;  // the expert's blocked scales
   int value_row = 0;                // tile 0's first row in the (E * rows, K) view
   int n0 = 0, num_k_blocks = 0;
@@ -175,8 +176,8 @@ struct Mxfp8WeightTiles {
     // multiple of 32 that keeps m below 128) and 16 i % 32 + pass_row < 32, so the scale's byte
     // is a per-thread base plus a constant of i. The thread's scale column of the step: its
     // chunk's 8 elements lie in one 32-block.
-    const uint8_t* scale_src = src + kValueBytes + (n0 % 128) / 8 + pass_row * 16 + (kb & 1) * 2 +
-                               (chunk >> 2);
+    const uint8_t* scale_src =
+        src + kValueBytes + (n0 % 128) / 8 + pass_row * 16 + (kb & 1) * 2 + (chunk >> 2);
     const uint8_t* value_src = src + pass_row * 64 + chunk * 8;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
