@@ -25,7 +25,7 @@ struct Mxfp8DequantizeParams {
   int64_t chunks;         // rows * K / 16
 };
 
-__global__ void __launch_bounds__(kMxfp8DequantizeThreads)
+static __global__ void __launch_bounds__(kMxfp8DequantizeThreads)
     mxfp8_dequantize_rows_kernel(const Mxfp8DequantizeParams p) {
   const int64_t c = int64_t(blockIdx.x) * kMxfp8DequantizeThreads + threadIdx.x;
   if (c >= p.chunks) return;

@@ -23,6 +23,8 @@
 // stage's full barrier. A named barrier over the 128 threads at the next step frees the slot
 // just read before thread 0 refills it. The tile's first kSlots - 1 steps are fetched at its
 // first step: the ring of bf16 stages ahead of the consumers covers that one wait per tile.
+// Slots: about 64 KB of fp8 per CTA (mxfp8_staging_slots: 4 for the 128 x (128 + 128) gate/up
+// tile, whose ring then holds 3 stages of 48 KB instead of bf16's 4).
 //
 // Scales: expert e's (MN, K/32) scales in the blocked layout (mxfp8.pack_scales_blocked): scale
 // (r, c) at byte ((r / 128) * (K/32 / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 +
@@ -71,17 +73,28 @@ __device__ __forceinline__ uint4 mxfp8_widen8(uint2 v, float scale) {
       mxfp8_pair_to_bf16x2(v.y & 0xFFFF, scale), mxfp8_pair_to_bf16x2(v.y >> 16, scale));
 }
 
+// Staging slots for a tile: 64 to 72 KB of fp8 in flight per CTA (a decode-sized forward is
+// bound by the weights' bandwidth, which needs many bytes in flight per SM), a power of two (the
+// slot and phase of a step are a mask and a shift): 8 slots where a stage holds at most 128
+// weight rows, 4 where it holds 256.
+template <class Tile>
+constexpr int mxfp8_staging_slots() {
+  return Tile::kNumB * Tile::kBlockN <= 128 ? 8 : 4;
+}
+
 // kNumB weight tiles of kBlockN x 64 from the (E * b_rows_per_expert, K) e4m3 view of the
 // weights (tile b of expert e starts at row e * b_rows_per_expert + n0 + b * b_second_offset), as
 // TmaWeightTiles, with p.b_scales the blocked scales of each expert's (b_rows_per_expert, K/32).
-template <class Tile, int kSlots_ = 3>
+template <class Tile, int kSlots_ = mxfp8_staging_slots<Tile>()>
 struct Mxfp8WeightTiles {
   using Layout = prime_kernels::SmemKMajor;
   static constexpr int kThreads = 128;
   static constexpr uint32_t kFullArrivals = kThreads;  // every thread after its widened rows
   static constexpr uint32_t kTmaBytes = 0;             // the stage is written by the threads
   static constexpr bool kGenericProxyWrites = true;
-  static constexpr int kProducerRegs = 48;
+  // The gather's row offsets and this loader's state share the producer's registers: 56 leaves
+  // the consumers (3 * 168 - 56) / 2 = 224, as 48 would after rounding down to a multiple of 8.
+  static constexpr int kProducerRegs = 56;
 
   static constexpr int kSlots = kSlots_;
   static constexpr int kRows = Tile::kNumB * Tile::kBlockN;  // weight rows of a stage
@@ -94,7 +107,8 @@ struct Mxfp8WeightTiles {
   // Named barrier of the producer warpgroup (ids 1 and 2 are the consumers', moe_gemm.cuh).
   static constexpr int kSlotBarrierId = 3;
 
-  static_assert(kSlots >= 2, "a slot is refilled while the next one is widened");
+  static_assert(kSlots >= 2 && (kSlots & (kSlots - 1)) == 0,
+                "a slot is refilled while the next one is widened; a power of two");
   static_assert(Tile::kBlockN % 64 == 0 && kRows % 16 == 0, "16 rows per pass of 128 threads");
   static_assert(Tile::kBlockN <= 128 || Tile::kBlockN % 128 == 0, "whole 128-row scale tiles");
   static_assert(kSlotBytes % 512 == 0, "TMA and bulk-copy destinations stay 128-byte aligned");
