@@ -3,7 +3,9 @@
 // scheduler x consumer schedule (the MMA mainloop follows from the tile, the schedule and
 // the loaders' layouts):
 //   warpgroup 0      producer: the A and B tiles of each K step into the stage ring, by TMA
-//                    (thread 0) or cp.async gathers (the loaders, loaders.cuh);
+//                    (thread 0) or cp.async gathers (the loaders, loaders.cuh), or for MXFP8
+//                    weights by TMA into a staging ring of its own and a widening pass
+//                    (mxfp8_loaders.cuh);
 //   warpgroups 1, 2  consumers: the MMA mainloop over the ring into fp32 registers, then
 //                    the epilogue from registers to global memory.
 // The consumers either share each tile (CooperativeConsumers) or own alternate tiles and
