@@ -224,14 +224,17 @@ def moe_mxfp8_emulation(
     w2_scales: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    *,
+    split: bool = True,
 ) -> torch.Tensor:
-    """Exact MX: the numerics of ``fused_moe_mxfp8`` (split=True) in fp32, up to the order of
-    fp32 sums. ``x`` (T, D), ``w`` (E, 2H, D), ``w2`` (E, D, H) are float8_e4m3fn with
+    """Exact MX: the numerics of ``fused_moe_mxfp8`` in fp32, up to the order of sums. ``x`` (T, D), ``w`` (E, 2H, D), ``w2`` (E, D, H) are float8_e4m3fn with
     row-major scales (..., K/32) (unpack blocked ones first). Every value times its scale
     exactly (fp32); gate/up in fp32; h = silu(g) * u re-quantized to MXFP8 per 32 along H
     (:func:`mxfp8.quantize_mxfp8` rounding "floor") and dequantized, then rounded to bf16 as
-    the kernel stores it (exact but below 2^-133); the down projection in fp32, each pair's
-    y rounded to bf16 (the kernel's y workspace), times the routing weight, summed in fp32,
+    the kernel stores it (exact but below 2^-133); the down projection in fp32; then with
+    ``split`` each pair's y rounded to bf16 (the kernel's y workspace) times the routing weight,
+    without it bf16(weight * y) (what the kernel adds into out with bf16 atomics, whose
+    roundings of the partial sums depend on the order and are not modelled), summed in fp32,
     out rounded to bf16."""
     from . import mxfp8
 
@@ -247,8 +250,10 @@ def moe_mxfp8_emulation(
         h = F.silu(gu[:, :H]) * gu[:, H:]
         hq, hs = mxfp8.quantize_mxfp8(h, rounding="floor")
         h = mxfp8.dequantize_mxfp8(hq, hs).bfloat16().float()
-        y = (h @ mxfp8.dequantize_mxfp8(w2[e], w2_scales[e]).T).bfloat16().float()
-        out = out.index_add(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
+        y = h @ mxfp8.dequantize_mxfp8(w2[e], w2_scales[e]).T
+        weight = topk_weights[tok, slot].float().unsqueeze(1)
+        y = y.bfloat16().float() * weight if split else (y * weight).bfloat16().float()
+        out = out.index_add(0, tok, y)
     return out.bfloat16()
 
 
