@@ -522,3 +522,23 @@ def self_check(T: int = 1024, D: int = 1024, H: int = 512, E: int = 16, k: int =
         result, ms = timed(forward)
         label = f"fused_moe_bf16 split={split} T={T} D={D} H={H} E={E} k={k}"
         yield label, reference.relative_error(result, ref), ms
+
+    # MXFP8: against the exact-MX emulation (the contract's bars are wider).
+    xq, xs = quantize_mxfp8(x)
+    wq, ws = quantize_mxfp8(w)
+    w2q, w2s = quantize_mxfp8(w2)
+    operands = (xq, xs, wq, pack_scales_blocked(ws), w2q, pack_scales_blocked(w2s))
+    for split in (True, False):
+        out = torch.zeros_like(x)
+        emulated = reference.moe_mxfp8_emulation(
+            xq, xs, wq, ws, w2q, w2s, topk_ids, topk_weights, split=split
+        )
+
+        def forward(out=out, split=split):
+            if not split:
+                out.zero_()
+            return fused_moe_mxfp8(*operands, *aligned, topk_weights, out, k, split=split)
+
+        result, ms = timed(forward)
+        label = f"fused_moe_mxfp8 split={split} T={T} D={D} H={H} E={E} k={k} (vs exact MX)"
+        yield label, reference.relative_error(result, emulated), ms
