@@ -166,6 +166,54 @@ def unpack(packed_fn, mn):
     )
 
 
+def mx_inputs(flash_moe, device: str, dim: int = D, hidden: int = H) -> list:
+    """A valid fused_moe_mxfp8 call's arguments (x, x_scales, w, w_scales, w2, w2_scales, the
+    alignment, weights, out, k), quantized by the pure-PyTorch mxfp8 (the weight scales packed
+    as the consumer packs them); at a dim or hidden_dim the blocked layout cannot tile, the
+    weight scales are zeros of the size the kernel expects."""
+    from prime_kernels.flash_moe import mxfp8
+
+    x, w, w2, sorted_ids, expert_ids, total, weights, out, k = base_inputs(flash_moe, "cpu")
+    if (dim, hidden) != (D, H):
+        x = torch.randn(T, dim).bfloat16()
+        w = torch.randn(E, 2 * hidden, dim).bfloat16()
+        w2 = torch.randn(E, dim, hidden).bfloat16()
+        out = torch.empty(T, dim).bfloat16()
+    xq, xs = mxfp8.quantize_mxfp8(x)
+    wq, ws = mxfp8.quantize_mxfp8(w)
+    w2q, w2s = mxfp8.quantize_mxfp8(w2)
+    if dim % 128 == 0 and hidden % 128 == 0:
+        ws = mxfp8.pack_scales_blocked(ws).reshape(E, -1)
+        w2s = mxfp8.pack_scales_blocked(w2s).reshape(E, -1)
+    else:
+        ws = ws.reshape(E, -1)
+        w2s = w2s.reshape(E, -1)
+    tensors = (xq, xs, wq, ws, w2q, w2s, sorted_ids, expert_ids, total, weights, out)
+    return [t.to(device) for t in tensors] + [k]
+
+
+def mx(dim: int = D, hidden: int = H, op: bool = False, **replace):
+    """A fused_moe_mxfp8 call with some arguments replaced, as ``fused``'s (``a0``..``a11``
+    by position, tuning keywords by name): through flash_moe.fused_moe_mxfp8, or with ``op``
+    straight through torch.ops.prime_moe (the caller's e8m0 scales not viewed as bytes)."""
+    positions = {f"a{i}": i for i in range(12)}
+
+    def call(flash_moe, device):
+        args = mx_inputs(flash_moe, device, dim, hidden)
+        kwargs = {}
+        for key, value in replace.items():
+            if key in positions:
+                args[positions[key]] = value(args, device) if callable(value) else value
+            else:
+                kwargs[key] = value
+        if op:
+            torch.ops.prime_moe.fused_moe_mxfp8(*args, **kwargs)
+        else:
+            flash_moe.fused_moe_mxfp8(*args, **kwargs)
+
+    return call
+
+
 CASES: dict[str, Case] = {
     # fused_moe_bf16: dtypes, ranks, contiguity
     "x_dtype": Case(
@@ -446,6 +494,92 @@ CASES: dict[str, Case] = {
         ),
         r"unpack_scales_blocked: argument 'packed' must be on a CUDA device, got a CPU tensor",
     ),
+    # fused_moe_mxfp8: e4m3 values, e8m0 scales (their bytes), shapes, the blocked layout
+    "mx_x_dtype": Case(
+        mx(a0=lambda a, d: a[0].bfloat16()),
+        r"fused_moe_mxfp8: argument 'x' must be a torch\.float8_e4m3fn tensor, got "
+        r"torch\.bfloat16",
+    ),
+    "mx_w2_dtype": Case(
+        mx(a4=lambda a, d: a[4].view(torch.uint8)),
+        r"fused_moe_mxfp8: argument 'w2' must be a torch\.float8_e4m3fn tensor, got torch\.uint8",
+    ),
+    "mx_out_dtype": Case(
+        mx(a10=lambda a, d: a[10].float()),
+        r"fused_moe_mxfp8: argument 'out' must be a torch\.bfloat16 tensor, got torch\.float32",
+    ),
+    "mx_x_scales_dtype": Case(
+        mx(a1=lambda a, d: a[1].float()),
+        r"fused_moe_mxfp8: argument 'x_scales' must be float8_e8m0fnu scales \(their "
+        r"torch\.uint8 bits\), got torch\.float32",
+    ),
+    "mx_scales_e8m0_through_the_op": Case(
+        mx(op=True),
+        r"fused_moe_mxfp8: argument 'x_scales' must be a torch\.uint8 tensor \(the bits of e8m0 "
+        r"scales\), got a dtype the stable ABI does not name",
+    ),
+    "mx_x_scales_shape": Case(
+        mx(a1=lambda a, d: a[1][:, :4].contiguous()),
+        r"fused_moe_mxfp8: argument 'x_scales' must have shape \(64, 8\) \(T, dim / 32\), "
+        r"row-major, got \(64, 4\)",
+    ),
+    "mx_x_scales_not_contiguous": Case(
+        mx(a1=lambda a, d: a[1].t().contiguous().t()),
+        r"fused_moe_mxfp8: argument 'x_scales' must be contiguous",
+    ),
+    "mx_w_scales_size": Case(
+        mx(a3=lambda a, d: a[3][:, :-16].contiguous()),
+        r"fused_moe_mxfp8: argument 'w_scales' must hold 8192 scales \(E \* 2H \* dim/32",
+    ),
+    "mx_w2_scales_size": Case(
+        mx(a5=lambda a, d: a[5][:2]),
+        r"fused_moe_mxfp8: argument 'w2_scales' must hold 4096 scales \(E \* dim \* H/32",
+    ),
+    "mx_w_shape": Case(
+        mx(a2=lambda a, d: a[2][:, :128].contiguous()),
+        r"fused_moe_mxfp8: argument 'w2' must have shape \(4, 256, 64\)",
+    ),
+    "mx_dim": Case(
+        mx(dim=192),
+        r"fused_moe_mxfp8: dim=192 \(x\.size\(1\)\) must be a multiple of 128 \(the blocked "
+        r"scale layout",
+    ),
+    "mx_hidden_dim": Case(
+        mx(hidden=192),
+        r"fused_moe_mxfp8: hidden_dim=192 \(w\.size\(1\) / 2\) must be a multiple of 128 "
+        r"\(the blocked scale layout",
+    ),
+    "mx_topk_weights_shape": Case(
+        mx(a9=lambda a, d: a[9][:, :1].contiguous()),
+        r"fused_moe_mxfp8: argument 'topk_weights' must have shape \(64, 2\)",
+    ),
+    "mx_expert_ids_length": Case(
+        mx(a7=lambda a, d: a[7][:-1]),
+        r"fused_moe_mxfp8: argument 'expert_ids' must have length len\(sorted_token_ids\) / "
+        r"block_m = 5, got 4",
+    ),
+    "mx_top_k": Case(mx(a11=0), r"fused_moe_mxfp8: top_k=0 must be at least 1"),
+    "mx_stages_original": Case(
+        mx(stages=5),
+        r"fused_moe_mxfp8: stages=5 is not supported on sm_90 with the original's tiles; use "
+        r"1\.\.4",
+        cuda_only=True,
+    ),
+    "mx_warp_n": Case(
+        mx(warp_n=3),
+        r"fused_moe_mxfp8: warp_n=3 is not supported on sm_90",
+        cuda_only=True,
+    ),
+    "mx_block_m": Case(
+        mx(block_m=64),
+        r"fused_moe_mxfp8: argument 'expert_ids' must have length len\(sorted_token_ids\) / "
+        r"block_m = 10",
+    ),
+    "mx_x_scales_on_cpu": Case(
+        mx(a1=lambda a, d: a[1].cpu()),
+        r"fused_moe_mxfp8: argument 'x_scales' must be on a CUDA device, got a CPU tensor",
+        cuda_only=True,
+    ),
 }
 
 # On CPU tensors a call that passes every check ends at the device check: the largest
@@ -460,6 +594,7 @@ CPU_ONLY_CASES: dict[str, Case] = {
     "backward_valid_on_cpu": Case(
         training("moe_backward"), r"moe_backward: argument 'x' must be on a CUDA device"
     ),
+    "mx_valid_on_cpu": Case(mx(), r"fused_moe_mxfp8: argument 'x' must be on a CUDA device"),
 }
 
 

@@ -24,6 +24,8 @@ def test_python_mirror_equals_the_extension():
         "MXFP8_SCALE_BLOCK",
         "DIM_MULTIPLE",
         "HIDDEN_MULTIPLE",
+        "MXFP8_DIM_MULTIPLE",
+        "MXFP8_HIDDEN_MULTIPLE",
         "MAX_EXPERTS",
         "MAX_ROWS",
     )
@@ -43,7 +45,12 @@ def test_python_mirror_equals_the_extension():
         (96, 128, {}, "dim=96 must be a positive multiple of 64"),
         (2048, 800, {}, "hidden_dim=800 must be a positive multiple of 64"),
         (0, 128, {}, "dim=0 must be a positive multiple"),
-        (2048, 768, {"mxfp8": True}, "flash_moe has no MXFP8 kernel for sm_90"),
+        (2048, 768, {"mxfp8": True}, None),
+        (7168, 2048, {"mxfp8": True}, None),
+        (256, 128, {"mxfp8": True, "split": False}, None),
+        (192, 128, {"mxfp8": True}, "dim=192 must be a positive multiple of 128 for MXFP8"),
+        (2048, 192, {"mxfp8": True}, "hidden_dim=192 must be a positive multiple of 128"),
+        (64, 64, {"mxfp8": True}, "dim=64 must be a positive multiple of 128"),
     ],
 )
 def test_unsupported_shape_reason(dim, hidden_dim, kwargs, expected):

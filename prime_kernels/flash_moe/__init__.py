@@ -25,6 +25,8 @@ BLOCK_M: int = _constants.BLOCK_M
 MXFP8_SCALE_BLOCK: int = _constants.MXFP8_SCALE_BLOCK
 DIM_MULTIPLE: int = _constants.DIM_MULTIPLE
 HIDDEN_MULTIPLE: int = _constants.HIDDEN_MULTIPLE
+MXFP8_DIM_MULTIPLE: int = _constants.MXFP8_DIM_MULTIPLE
+MXFP8_HIDDEN_MULTIPLE: int = _constants.MXFP8_HIDDEN_MULTIPLE
 MAX_EXPERTS: int = _constants.MAX_EXPERTS
 MAX_ROWS: int = _constants.MAX_ROWS
 
@@ -32,6 +34,7 @@ __all__ = [
     "BLOCK_M",
     "MXFP8_SCALE_BLOCK",
     "fused_moe_bf16",
+    "fused_moe_mxfp8",
     "get_num_sms",
     "moe",
     "moe_align",
@@ -65,10 +68,20 @@ def unsupported_shape_reason(
     hidden dim ``hidden_dim``; otherwise one sentence naming the dimension, the multiple
     required and why. Call it once per MoE layer at setup."""
     if mxfp8:
-        return (
-            "flash_moe has no MXFP8 kernel for sm_90 in this install yet "
-            "(fused_moe_mxfp8 is not implemented); use the bf16 path"
-        )
+        if dim <= 0 or dim % MXFP8_DIM_MULTIPLE:
+            return (
+                f"dim={dim} must be a positive multiple of {MXFP8_DIM_MULTIPLE} for MXFP8: "
+                f"the blocked scale layout tiles w2's dim rows by 128 and w's dim/32 scale "
+                f"columns by 4"
+            )
+        if hidden_dim <= 0 or hidden_dim % MXFP8_HIDDEN_MULTIPLE:
+            return (
+                f"hidden_dim={hidden_dim} must be a positive multiple of "
+                f"{MXFP8_HIDDEN_MULTIPLE} for MXFP8: the blocked scale layout tiles w's rows "
+                f"by 128 (the up rows start at hidden_dim) and w2's hidden_dim/32 scale "
+                f"columns by 4"
+            )
+        return None
     if dim <= 0 or dim % DIM_MULTIPLE:
         return (
             f"dim={dim} must be a positive multiple of {DIM_MULTIPLE}: it is the gate/up "
@@ -209,6 +222,67 @@ def fused_moe_bf16(
     return out
 
 
+def fused_moe_mxfp8(
+    x: torch.Tensor,
+    x_scales: torch.Tensor,
+    w: torch.Tensor,
+    w_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor,
+    top_k: int,
+    block_m: int = BLOCK_M,
+    block_n: int = 64,
+    warp_n: int = 4,
+    stages: int = 4,
+    bpc: int = 1,
+    split: bool = True,
+) -> torch.Tensor:
+    """The MXFP8 forward: :func:`fused_moe_bf16`'s ``out`` from float8_e4m3fn ``x`` (T, D),
+    ``w`` (E, 2H, D), ``w2`` (E, D, H) and their float8_e8m0fnu scales (one per 32 elements
+    along each GEMM's reduction dim): ``x_scales`` row-major (T, D/32), ``w_scales`` and
+    ``w2_scales`` each expert's (2H, D/32) and (D, H/32) in :func:`pack_scales_blocked`'s
+    layout (any shape holding E*2H*D/32 and E*D*H/32 bytes, e.g. its (E, MN*K/32)). Exact MX
+    numerics: every value times its scale exactly, the SwiGLU output re-quantized to MXFP8 per
+    32 along H (rounding "floor" of :mod:`mxfp8`) before the down projection, fp32
+    accumulation. ``split`` and the hints as :func:`fused_moe_bf16`: the defaults are the
+    original's (block_n 64, warp_n 4, stages 4), which take the tuned tile here; ``block_m``
+    and ``bpc`` must be those given to :func:`moe_align`. Shapes:
+    :func:`unsupported_shape_reason` with ``mxfp8=True``."""
+    # The stable ABI does not name e8m0: the op takes the scales' bits (same bytes, a view).
+    torch.ops.prime_moe.fused_moe_mxfp8(
+        x,
+        _scale_bits(x_scales),
+        w,
+        _scale_bits(w_scales),
+        w2,
+        _scale_bits(w2_scales),
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        topk_weights,
+        out,
+        top_k,
+        block_m,
+        block_n or 0,
+        warp_n or 0,
+        stages or 0,
+        bpc,
+        split,
+    )
+    return out
+
+
+def _scale_bits(scales: torch.Tensor) -> torch.Tensor:
+    if scales.dtype == torch.float8_e8m0fnu:
+        return scales.view(torch.uint8)
+    return scales  # anything else reaches the op's check, which names the argument
+
+
 def moe(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -226,12 +300,13 @@ def moe(
     compute only the gradients of inputs that require them, bitwise repeatably. The shapes it
     takes are those :func:`unsupported_shape_reason` accepts.
 
-    ``mxfp8=True`` (the MXFP8 forward with a bf16 backward) needs ``fused_moe_mxfp8``, which
-    this install does not have yet: it raises NotImplementedError."""
+    ``mxfp8=True`` (a :func:`fused_moe_mxfp8` forward with a bf16 backward) is not wired into
+    training yet: it raises NotImplementedError."""
     if mxfp8:
         raise NotImplementedError(
-            "flash_moe.moe(mxfp8=True) runs fused_moe_mxfp8 forward, which this install does "
-            "not have yet on sm_90; use mxfp8=False (bf16)"
+            "flash_moe.moe(mxfp8=True) (a fused_moe_mxfp8 forward with a bf16 backward) is not "
+            "implemented for training yet; call fused_moe_mxfp8 for the MXFP8 forward, or use "
+            "mxfp8=False (bf16)"
         )
     sorted_ids, expert_ids, total = moe_align(topk_ids, w.shape[0], BLOCK_M)
     out, _, _ = torch.ops.prime_moe.moe_forward(
@@ -268,6 +343,29 @@ if EXTENSION_BUILT:
         stages=0,
         bpc=1,
         cpc=0,
+        split=True,
+    ):
+        return None
+
+    @torch.library.register_fake("prime_moe::fused_moe_mxfp8")
+    def _fused_moe_mxfp8_fake(
+        x,
+        x_scales,
+        w,
+        w_scales,
+        w2,
+        w2_scales,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        topk_weights,
+        out,
+        top_k,
+        block_m=BLOCK_M,
+        block_n=0,
+        warp_n=0,
+        stages=0,
+        bpc=1,
         split=True,
     ):
         return None
@@ -424,3 +522,23 @@ def self_check(T: int = 1024, D: int = 1024, H: int = 512, E: int = 16, k: int =
         result, ms = timed(forward)
         label = f"fused_moe_bf16 split={split} T={T} D={D} H={H} E={E} k={k}"
         yield label, reference.relative_error(result, ref), ms
+
+    # MXFP8: against the exact-MX emulation (the contract's bars are wider).
+    xq, xs = quantize_mxfp8(x)
+    wq, ws = quantize_mxfp8(w)
+    w2q, w2s = quantize_mxfp8(w2)
+    operands = (xq, xs, wq, pack_scales_blocked(ws), w2q, pack_scales_blocked(w2s))
+    for split in (True, False):
+        out = torch.zeros_like(x)
+        emulated = reference.moe_mxfp8_emulation(
+            xq, xs, wq, ws, w2q, w2s, topk_ids, topk_weights, split=split
+        )
+
+        def forward(out=out, split=split):
+            if not split:
+                out.zero_()
+            return fused_moe_mxfp8(*operands, *aligned, topk_weights, out, k, split=split)
+
+        result, ms = timed(forward)
+        label = f"fused_moe_mxfp8 split={split} T={T} D={D} H={H} E={E} k={k} (vs exact MX)"
+        yield label, reference.relative_error(result, emulated), ms

@@ -9,6 +9,8 @@ contributes nothing to any output and appears in no expert segment.
 - :func:`moe_grouped_mm` is the reference the consumer tests the fused kernels against (the
   grouped-mm expert path), with its rounding points.
 - :func:`moe_expert_loop_fp32` is the ground truth: a per-expert loop in fp32 (or fp64).
+- :func:`moe_mxfp8_emulation` is exact MX: what ``fused_moe_mxfp8`` computes, up to fp32
+  summation order; :func:`moe_mxfp8_floor` is the contract's quantization floor for MXFP8.
 - :func:`moe_backward_reference` is the backward in closed form: the math the backward
   kernels implement, and what they keep from the forward.
 - :func:`moe_align_reference` pins the exact output of the ``moe_align`` op.
@@ -24,6 +26,8 @@ import torch.nn.functional as F
 __all__ = [
     "moe_grouped_mm",
     "moe_expert_loop_fp32",
+    "moe_mxfp8_emulation",
+    "moe_mxfp8_floor",
     "moe_backward_reference",
     "moe_align_reference",
     "routing",
@@ -209,6 +213,69 @@ def moe_expert_loop_fp32(
         y = (h @ w2f[e].T) * twf[tok, slot].unsqueeze(1)
         out = out.index_add(0, tok, y)
     return out
+
+
+def moe_mxfp8_emulation(
+    x: torch.Tensor,
+    x_scales: torch.Tensor,
+    w: torch.Tensor,
+    w_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    split: bool = True,
+) -> torch.Tensor:
+    """Exact MX: the numerics of ``fused_moe_mxfp8`` in fp32, up to the order of sums. ``x`` (T, D), ``w`` (E, 2H, D), ``w2`` (E, D, H) are float8_e4m3fn with
+    row-major scales (..., K/32) (unpack blocked ones first). Every value times its scale
+    exactly (fp32); gate/up in fp32; h = silu(g) * u re-quantized to MXFP8 per 32 along H
+    (:func:`mxfp8.quantize_mxfp8` rounding "floor") and dequantized, then rounded to bf16 as
+    the kernel stores it (exact but below 2^-133); the down projection in fp32; then with
+    ``split`` each pair's y rounded to bf16 (the kernel's y workspace) times the routing weight,
+    without it bf16(weight * y) (what the kernel adds into out with bf16 atomics, whose
+    roundings of the partial sums depend on the order and are not modelled), summed in fp32,
+    out rounded to bf16."""
+    from . import mxfp8
+
+    T, D, E, H, k = _check_moe_inputs(x, w, w2, topk_ids, topk_weights)
+    xf = mxfp8.dequantize_mxfp8(x, x_scales)
+    ids = topk_ids.to(torch.int64)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = xf[tok] @ mxfp8.dequantize_mxfp8(w[e], w_scales[e]).T
+        h = F.silu(gu[:, :H]) * gu[:, H:]
+        hq, hs = mxfp8.quantize_mxfp8(h, rounding="floor")
+        h = mxfp8.dequantize_mxfp8(hq, hs).bfloat16().float()
+        y = h @ mxfp8.dequantize_mxfp8(w2[e], w2_scales[e]).T
+        weight = topk_weights[tok, slot].float().unsqueeze(1)
+        y = y.bfloat16().float() * weight if split else (y * weight).bfloat16().float()
+        out = out.index_add(0, tok, y)
+    return out.bfloat16()
+
+
+def moe_mxfp8_floor(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The contract's quantization floor for MXFP8: :func:`moe_expert_loop_fp32` on ``x``,
+    ``w`` and ``w2`` round-tripped through MXFP8 as the consumer quantizes (block 32, e4m3,
+    rounding "rceil"), h not rounded. Its error against the fp32 loop on the originals is
+    what quantizing the inputs alone costs."""
+    from . import mxfp8
+
+    def round_trip(t):
+        return mxfp8.dequantize_mxfp8(*mxfp8.quantize_mxfp8(t))
+
+    return moe_expert_loop_fp32(
+        round_trip(x), round_trip(w), round_trip(w2), topk_ids, topk_weights, round_h=False
+    )
 
 
 def moe_backward_reference(

@@ -20,6 +20,7 @@
 
 #include "flash_moe_constants.h"
 #include "fused_moe_bf16.h"
+#include "fused_moe_mxfp8.h"
 #include "moe_align.h"
 #include "moe_backward.h"
 #include "mxfp8_quantize.h"
@@ -205,6 +206,150 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
   requested.split = split;
   torch::stable::accelerator::DeviceGuard guard(problem.device);
   run_forward(op, x, problem, requested);
+}
+
+// What an e8m0 scale tensor is: the bits as torch.uint8 (flash_moe.fused_moe_mxfp8 views the
+// caller's float8_e8m0fnu: the stable ABI cannot name that dtype), contiguous, `numel` bytes;
+// `rows_shape` (non-empty) also pins its shape.
+void check_mxfp8_scales(const char* op, const char* name, const Tensor& t, int64_t numel,
+                        const char* meaning, const std::vector<int64_t>& rows_shape = {}) {
+  ScalarType dtype;
+  try {
+    dtype = t.scalar_type();
+  } catch (const std::exception&) {
+    fail(op, "argument '", name,
+         "' must be a torch.uint8 tensor (the bits of e8m0 scales), got a dtype the stable ABI "
+         "does not name, such as torch.float8_e8m0fnu: pass it through "
+         "flash_moe.fused_moe_mxfp8, or scales.view(torch.uint8)");
+  }
+  if (dtype != ScalarType::Byte) {
+    fail(op, "argument '", name, "' must be float8_e8m0fnu scales (their torch.uint8 bits), got ",
+         dtype_name(dtype));
+  }
+  if (!t.is_contiguous()) {
+    fail(op, "argument '", name, "' must be contiguous, got shape ", shape_of(t),
+         " with non-contiguous strides");
+  }
+  if (!rows_shape.empty()) {
+    check_shape(op, name, t, rows_shape, meaning);
+  } else if (t.numel() != numel) {
+    fail(op, "argument '", name, "' must hold ", numel, " scales ", meaning, ", got shape ",
+         shape_of(t));
+  }
+}
+
+// The MXFP8 forward: e4m3 x, w, w2 (CONTRACT.md's shapes) with their e8m0 scales, bf16 out.
+// Every tensor is checked (what it is, its shape, then where) before anything is launched.
+void fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2,
+                     Tensor w2_scales, Tensor sorted_token_ids, Tensor expert_ids,
+                     Tensor num_tokens_post_padded, Tensor topk_weights, Tensor out, int64_t top_k,
+                     int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
+                     bool split) {
+  constexpr const char* op = "fused_moe_mxfp8";
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"block_n", block_n},
+                                    {"warp_n", warp_n},
+                                    {"stages", stages}}) {
+    if (value < 0 || value > 1024) fail(op, name, "=", value, " must be in [0, 1024]");
+  }
+  const std::vector<TensorArg> tensors = {
+      {"x", x, ScalarType::Float8_e4m3fn, 2},
+      {"w", w, ScalarType::Float8_e4m3fn, 3},
+      {"w2", w2, ScalarType::Float8_e4m3fn, 3},
+      {"sorted_token_ids", sorted_token_ids, ScalarType::Int, 1},
+      {"expert_ids", expert_ids, ScalarType::Int, 1},
+      {"num_tokens_post_padded", num_tokens_post_padded, ScalarType::Int, 1},
+      {"topk_weights", topk_weights, ScalarType::Float, 2},
+      {"out", out, ScalarType::BFloat16, 2}};
+  check_tensors(op, tensors);
+  const int64_t T = x.size(0), D = x.size(1);
+  const int64_t E = w.size(0), H = w.size(1) / 2;
+  if (top_k < 1) fail(op, "top_k=", top_k, " must be at least 1");
+  if (w.size(1) % 2 != 0 || w.size(2) != D) {
+    fail(op, "argument 'w' must have shape (E, 2 * hidden_dim, dim) = (E, 2H, ", D,
+         ") with gate rows [0, H) and up rows [H, 2H), got ", shape_of(w));
+  }
+  check_shape(op, "w2", w2, {E, D, H}, "(E, dim, hidden_dim)");
+  check_shape(op, "out", out, {T, D}, "(T, dim), like x");
+  check_shape(op, "topk_weights", topk_weights, {T, top_k}, "(T, top_k), read at t * top_k + j");
+  check_shape(op, "num_tokens_post_padded", num_tokens_post_padded, {1},
+              "(moe_align's padded total)");
+  if (D % kMxfp8DimMultiple != 0) {
+    fail(op, "dim=", D, " (x.size(1)) must be a multiple of ", kMxfp8DimMultiple,
+         " (the blocked scale layout: w2's rows in tiles of 128, w's D/32 scale columns in tiles "
+         "of 4)");
+  }
+  if (H % kMxfp8HiddenMultiple != 0) {
+    fail(op, "hidden_dim=", H, " (w.size(1) / 2) must be a multiple of ", kMxfp8HiddenMultiple,
+         " (the blocked scale layout: w's up rows start a 128-row tile, w2's H/32 scale "
+         "columns come in tiles of 4)");
+  }
+  check_mxfp8_scales(op, "x_scales", x_scales, T * (D / kMxfp8ScaleBlock),
+                     "(T, dim / 32), row-major", {T, D / kMxfp8ScaleBlock});
+  check_mxfp8_scales(op, "w_scales", w_scales, E * 2 * H * (D / kMxfp8ScaleBlock),
+                     "(E * 2H * dim/32: each expert's (2H, dim/32) in pack_scales_blocked's "
+                     "layout)");
+  check_mxfp8_scales(op, "w2_scales", w2_scales, E * D * (H / kMxfp8ScaleBlock),
+                     "(E * dim * H/32: each expert's (dim, H/32) in pack_scales_blocked's "
+                     "layout)");
+  check_block_m_bpc(op, block_m, bpc);
+  const int64_t max_padded = sorted_token_ids.size(0);
+  if (max_padded % (block_m * bpc) != 0) {
+    fail(op, "argument 'sorted_token_ids' has length ", max_padded,
+         ", which is not a multiple of block_m * bpc = ", block_m * bpc,
+         "; pass moe_align's output for the same block_m and bpc");
+  }
+  if (expert_ids.size(0) != max_padded / block_m) {
+    fail(op, "argument 'expert_ids' must have length len(sorted_token_ids) / block_m = ",
+         max_padded / block_m, ", got ", expert_ids.size(0),
+         "; pass moe_align's output for the same block_m");
+  }
+  std::vector<TensorArg> all = tensors;
+  all.push_back({"x_scales", x_scales, ScalarType::Byte, 2});
+  all.push_back({"w_scales", w_scales, ScalarType::Byte, w_scales.dim()});
+  all.push_back({"w2_scales", w2_scales, ScalarType::Byte, w2_scales.dim()});
+  FusedMoeMxfp8Problem problem{};
+  problem.x = static_cast<const uint8_t*>(x.const_data_ptr());
+  problem.x_scales = static_cast<const uint8_t*>(x_scales.const_data_ptr());
+  problem.w = static_cast<const uint8_t*>(w.const_data_ptr());
+  problem.w_scales = static_cast<const uint8_t*>(w_scales.const_data_ptr());
+  problem.w2 = static_cast<const uint8_t*>(w2.const_data_ptr());
+  problem.w2_scales = static_cast<const uint8_t*>(w2_scales.const_data_ptr());
+  problem.sorted_token_ids = sorted_token_ids.const_data_ptr<int32_t>();
+  problem.expert_ids = expert_ids.const_data_ptr<int32_t>();
+  problem.num_tokens_post_padded = num_tokens_post_padded.const_data_ptr<int32_t>();
+  problem.topk_weights = topk_weights.const_data_ptr<float>();
+  problem.out = static_cast<__nv_bfloat16*>(out.mutable_data_ptr());
+  problem.num_tokens = T;
+  problem.dim = D;
+  problem.hidden_dim = H;
+  problem.num_experts = E;
+  problem.top_k = top_k;
+  problem.max_padded = max_padded;
+  problem.block_m = block_m;
+  problem.device = check_devices(op, all);
+
+  FusedMoeMxfp8Config requested;
+  requested.block_n = static_cast<int>(block_n);
+  requested.warp_n = static_cast<int>(warp_n);
+  requested.stages = static_cast<int>(stages);
+  requested.bpc = static_cast<int>(bpc);
+  requested.cpc = 0;
+  requested.split = split;
+  torch::stable::accelerator::DeviceGuard guard(problem.device);
+  const std::string problem_error = check_fused_moe_mxfp8(problem, requested);
+  if (!problem_error.empty()) fail(op, problem_error);
+  const FusedMoeMxfp8Config config = resolve_fused_moe_mxfp8_config(problem, requested);
+  if (const char* print = std::getenv("PRIME_MOE_PRINT_CONFIG"); print && print[0] == '1') {
+    std::fprintf(stderr, "%s: %s\n", op,
+                 describe_fused_moe_mxfp8_config(problem, requested, config).c_str());
+  }
+  if (T == 0) return;  // nothing to write, nothing launched
+  const int64_t workspace_bytes =
+      static_cast<int64_t>(fused_moe_mxfp8_workspace_bytes(problem, config));
+  Tensor workspace =
+      torch::stable::new_empty(out, {workspace_bytes > 0 ? workspace_bytes : 1}, ScalarType::Byte);
+  check_cuda(op, launch_fused_moe_mxfp8(problem, config, workspace.mutable_data_ptr(),
+                                        current_stream(problem.device)));
 }
 
 // The training forward: fused_moe_bf16's split path (deterministic) into a new out, keeping
@@ -463,6 +608,12 @@ STABLE_TORCH_LIBRARY(prime_moe, m) {
       "Tensor(a!) out, int top_k, int block_m=128, int block_n=0, int warp_n=0, "
       "int stages=0, int bpc=1, int cpc=0, bool split=True) -> ()");
   m.def(
+      "fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, "
+      "Tensor w2_scales, Tensor sorted_token_ids, Tensor expert_ids, "
+      "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, "
+      "int block_m=128, int block_n=0, int warp_n=0, int stages=0, int bpc=1, "
+      "bool split=True) -> ()");
+  m.def(
       "quantize_mxfp8(Tensor x, bool rceil=True, bool blocked=False) -> "
       "(Tensor values, Tensor scales)");
   m.def("pack_scales_blocked(Tensor scales) -> Tensor");
@@ -482,6 +633,7 @@ STABLE_TORCH_LIBRARY(prime_moe, m) {
 STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {
   m.impl("moe_align", TORCH_BOX(&prime_moe::moe_align));
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
+  m.impl("fused_moe_mxfp8", TORCH_BOX(&prime_moe::fused_moe_mxfp8));
   m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
   m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
   m.impl("quantize_mxfp8", TORCH_BOX(&prime_moe::quantize_mxfp8));
@@ -494,6 +646,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {
 STABLE_TORCH_LIBRARY_IMPL(prime_moe, CPU, m) {
   m.impl("moe_align", TORCH_BOX(&prime_moe::moe_align));
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
+  m.impl("fused_moe_mxfp8", TORCH_BOX(&prime_moe::fused_moe_mxfp8));
   m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
   m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
   m.impl("quantize_mxfp8", TORCH_BOX(&prime_moe::quantize_mxfp8));
@@ -536,9 +689,14 @@ extern "C" PyMODINIT_FUNC PyInit__C(void) {
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   const std::pair<const char*, long> constants[] = {
-      {"BLOCK_M", prime_moe::kBlockM},           {"MXFP8_SCALE_BLOCK", prime_moe::kMxfp8ScaleBlock},
-      {"DIM_MULTIPLE", prime_moe::kDimMultiple}, {"HIDDEN_MULTIPLE", prime_moe::kHiddenMultiple},
-      {"MAX_EXPERTS", prime_moe::kMaxExperts},   {"MAX_ROWS", prime_moe::kMaxRows},
+      {"BLOCK_M", prime_moe::kBlockM},
+      {"MXFP8_SCALE_BLOCK", prime_moe::kMxfp8ScaleBlock},
+      {"DIM_MULTIPLE", prime_moe::kDimMultiple},
+      {"HIDDEN_MULTIPLE", prime_moe::kHiddenMultiple},
+      {"MAX_EXPERTS", prime_moe::kMaxExperts},
+      {"MAX_ROWS", prime_moe::kMaxRows},
+      {"MXFP8_DIM_MULTIPLE", prime_moe::kMxfp8DimMultiple},
+      {"MXFP8_HIDDEN_MULTIPLE", prime_moe::kMxfp8HiddenMultiple},
   };
   for (const auto& [name, value] : constants) {
     if (PyModule_AddIntConstant(module, name, value) != 0) {

@@ -18,6 +18,12 @@ inline constexpr int kMxfp8ScaleBlock = 32;
 inline constexpr int kDimMultiple = 64;
 inline constexpr int kHiddenMultiple = 64;
 
+// MXFP8 kernels: the blocked scale layout is tiles of 128 rows x 4 scale columns. D is the row
+// count of w2's scales and 32 times the scale columns of x's and w's; H is half the row count of
+// w's scales (its up rows start a tile) and 32 times w2's scale columns: both multiples of 128.
+inline constexpr int kMxfp8DimMultiple = 128;
+inline constexpr int kMxfp8HiddenMultiple = 128;
+
 // moe_align keeps one histogram bin per expert in shared memory.
 inline constexpr int kMaxExperts = 4096;
 

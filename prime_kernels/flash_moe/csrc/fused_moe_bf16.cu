@@ -1,142 +1,20 @@
-// Launcher of the bf16 fused MoE forward on sm_90a (host side of fused_moe_bf16.h): the
-// kernels it instantiates, the one function that chooses among them, and the launches.
-//
-// split=true:  memset pair_to_row to -1, gate/up GEMM (+ SwiGLU, + pair_to_row scatter)
-//              into h, down GEMM into y, deterministic combine into out: 4 stream ops.
-//              Training (problem.keep_z): the same, with the gate/up epilogue also keeping
-//              z = [g | u] and pair_to_row written to the caller's tensors, for backward.
-// split=false: gate/up GEMM into h, then the down GEMM adds weight * y straight into the
-//              caller-zeroed out with bf16x2 atomics: two kernels, since the down GEMM of a
-//              block needs all H columns of h, which come from ceil(H / block_n) CTAs.
+// Launcher of the bf16 fused MoE forward on sm_90a (host side of fused_moe_bf16.h): its kernels
+// and launch sequence are forward_kernels.h's with bf16 weights (TmaWeightTiles, SwiGluToH).
 #include "fused_moe_bf16.h"
 
 #include <algorithm>
 #include <atomic>
 #include <string>
-#include <type_traits>
-#include <utility>
 
-#include "device/combine.cuh"
-#include "device/moe_gemm.cuh"
-#include "flash_moe_constants.h"
+#include "forward_kernels.h"
 #include "moe_launch.h"
-#include "prime_kernels/tma.cuh"
 
 namespace prime_moe {
 namespace {
 
-// The forward's kernels for one gate/up tile of block_m x block_n.
-// The down GEMM (K = H, often only 12 K steps) spends a large share of each tile in its
-// epilogue; at the large tile it runs ping-pong 128 x 128 tiles, one warpgroup's stores
-// under the other's mainloop (Qwen3-30B-A3B T = 32768: cooperative 128 x 256 at ~465
-// TFLOP/s). Elsewhere (decode sizes, block_m = 64) it is cooperative and 2 * block_n wide,
-// so that both GEMMs' stages are the same size.
-template <int kBlockM, int kBlockN>
-struct ForwardKernels {
-  static constexpr bool kDownPingPong = kBlockM == 128 && kBlockN == 128;
-  using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
-  using DownTile = MoeGemmTile<kBlockM, kDownPingPong ? kBlockN : 2 * kBlockN, 1>;
-  template <class Epilogue>
-  using DownGemm =
-      std::conditional_t<kDownPingPong,
-                         MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, TmaWeightTiles<DownTile>,
-                                 MoeTileScheduler, PingPongConsumers>,
-                         MoeGemm<DownTile, TmaRows<DownTile>, Epilogue>>;
-  using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToH<false>>;
-  using GateUpKeepZ = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToH<true>>;
-  using DownStore = DownGemm<StoreRows>;
-  using DownAtomic = DownGemm<WeightedAtomicAdd>;
-  static_assert(DownStore::smem_bytes(3) == DownAtomic::smem_bytes(3));
-
-  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (a 128 x 128
-  // down stage is 32 KB against gate/up's 48 KB: 6 stages for 4), as far as the device holds.
-  static int down_stages(int stages, int device, int max_stages) {
-    const int same_bytes = int(stages * GateUpTile::kStageBytes / DownTile::kStageBytes);
-    return std::min(same_bytes, ring_stages<DownStore>(device, max_stages));
-  }
-};
-
-// The (block_m, block_n) tiles this build instantiates: the only place their values are
-// written. block_m 64 and 128 are one and two wgmma M; block_n 64 and 128 keep the gate/up
-// accumulators (2 x block_n columns per consumer) within the register budget.
-using TileBlockMs = std::integer_sequence<int, 64, 128>;
-using TileBlockNs = std::integer_sequence<int, 64, 128>;
-static_assert(kBlockM == 128, "moe_align's default block_m is one of the instantiated tiles");
-
-template <int kBlockM, class F, int... kBlockN>
-bool dispatch_block_n(int block_n, F& f, std::integer_sequence<int, kBlockN...>) {
-  return ((block_n == kBlockN ? (f(ForwardKernels<kBlockM, kBlockN>{}), true) : false) || ...);
-}
-template <class F, int... kBlockM>
-bool dispatch_block_m(int block_m, int block_n, F& f, std::integer_sequence<int, kBlockM...>) {
-  return ((block_m == kBlockM && dispatch_block_n<kBlockM>(block_n, f, TileBlockNs{})) || ...);
-}
-// Calls f(ForwardKernels<block_m, block_n>{}); false when no such tile is instantiated.
-template <class F>
-bool with_forward_kernels(int block_m, int block_n, F&& f) {
-  return dispatch_block_m(block_m, block_n, f, TileBlockMs{});
-}
-bool is_instantiated(int block_m, int block_n) {
-  return with_forward_kernels(block_m, block_n, [](auto) {});
-}
-template <int... kValues>
-bool contains(std::integer_sequence<int, kValues...>, int64_t value) {
-  return ((value == kValues) || ...);
-}
-template <int... kValues>
-std::string list_values(std::integer_sequence<int, kValues...>) {
-  std::string text;
-  ((text += (text.empty() ? "" : ", ") + std::to_string(kValues)), ...);
-  return text;
-}
-
-constexpr int kConsumerWarpgroups = 2;  // both consumer schedules (tile.cuh) run two
-constexpr int kMinStages = 2;           // one stage would serialize copies and math
-// Past 8 stages (8 x 32 KB at block_n = 64) the ring already covers DRAM latency.
-constexpr int kMaxStages = 8;
+using forward::Bf16Weights;
 
 std::atomic<int> g_num_sms{0};
-
-// The deepest ring the device's shared memory holds for this tile (0: not instantiated).
-int max_stages(int block_m, int block_n, int device) {
-  int stages = 0;
-  with_forward_kernels(block_m, block_n, [&](auto kernels) {
-    stages = ring_stages<typename decltype(kernels)::GateUp>(device, kMaxStages);
-  });
-  return stages;
-}
-
-// The original's spelling of its Blackwell tiles: warp_n warps along N with these block_n.
-bool is_original_tile(int block_n, int warp_n) {
-  return (block_n == 64 && warp_n == 4) || (block_n == 32 && warp_n == 8);
-}
-
-struct Workspace {
-  int32_t* pair_to_row;  // (T * k,) split only: the caller's when training keeps it
-  __nv_bfloat16* h;      // (max_padded, H)
-  __nv_bfloat16* y;      // (max_padded, D) split only
-  size_t bytes;
-};
-
-Workspace carve_workspace(const FusedMoeBf16Problem& pr, bool split, void* base) {
-  uint8_t* p = static_cast<uint8_t*>(base);
-  Workspace ws{};
-  size_t off = 0;
-  if (split && pr.keep_pair_to_row != nullptr) {
-    ws.pair_to_row = pr.keep_pair_to_row;
-  } else if (split) {
-    ws.pair_to_row = reinterpret_cast<int32_t*>(p + off);
-    off += align256(size_t(pr.num_tokens * pr.top_k) * sizeof(int32_t));
-  }
-  ws.h = reinterpret_cast<__nv_bfloat16*>(p + off);
-  off += align256(size_t(pr.max_padded * pr.hidden_dim) * sizeof(__nv_bfloat16));
-  if (split) {
-    ws.y = reinterpret_cast<__nv_bfloat16*>(p + off);
-    off += align256(size_t(pr.max_padded * pr.dim) * sizeof(__nv_bfloat16));
-  }
-  ws.bytes = off;
-  return ws;
-}
 
 }  // namespace
 
@@ -149,220 +27,34 @@ int num_sms_setting() {
 
 FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& problem,
                                                  const FusedMoeBf16Config& requested) {
-  FusedMoeBf16Config c = requested;
-  const int block_m = int(problem.block_m);
-  // warp_n 4 or 8 spells one of the original's Blackwell tiles (block_n, warp_n, stages),
-  // which name no tile of this kernel: they take the tuned choice, as 0 does. Callers that
-  // spell out the original's defaults (64, 4, 2) get the fast tile, not a 2-stage one.
-  const bool original = requested.warp_n == 4 || requested.warp_n == 8;
-  if (original || requested.block_n == 0) {
-    // 128: gate/up tiles of block_m x (128 gate + 128 up), the largest whose fp32
-    // accumulators (128 per consumer thread) fit the 232-register consumer budget, and the
-    // down GEMM's ping-pong 128 x 128 tiles (ForwardKernels). 64 when even that gives fewer tiles
-    // than SMs (decode-sized T, weight-bandwidth-bound): more CTAs streaming weights. Real blocks
-    // are at most one partial block per routed expert plus T*k / block_m full ones.
-    const int64_t pairs = problem.num_tokens * problem.top_k;
-    const int64_t blocks = std::min(problem.max_padded / block_m,
-                                    std::min(problem.num_experts, pairs) + pairs / block_m);
-    const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
-    c.block_n = (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device)) ? 64 : 128;
-  }
-  // The consumers are always two warpgroups (tile.cuh); warp_n only chose the tile above.
-  c.warp_n = kConsumerWarpgroups;
-  // As deep as the shared memory allows (4 stages of 48 KB at 128 x 128): the ring hides
-  // DRAM latency and the gather's cp.async round trips.
-  if (original || requested.stages == 0) c.stages = max_stages(block_m, c.block_n, problem.device);
-  c.cpc = 1;  // no TMA multicast: one CTA per cluster
-  return c;
+  return forward::resolve_config<Bf16Weights>(problem, requested);
 }
 
 std::string check_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& c) {
-  const std::string sm90 = " is not supported on sm_90";
-  const std::string block_ms = list_values(TileBlockMs{});
-  const std::string block_ns = list_values(TileBlockNs{});
-  if (!contains(TileBlockMs{}, pr.block_m))
-    return "block_m=" + std::to_string(pr.block_m) + sm90 + "; use " + block_ms +
-           " (and the same block_m for moe_align)";
-  if (pr.dim <= 0 || pr.dim % kDimMultiple != 0)
-    return "dim=" + std::to_string(pr.dim) + sm90 + "; it must be a positive multiple of " +
-           std::to_string(kDimMultiple);
-  if (pr.hidden_dim <= 0 || pr.hidden_dim % kHiddenMultiple != 0)
-    return "hidden_dim=" + std::to_string(pr.hidden_dim) + sm90 +
-           "; it must be a positive multiple of " + std::to_string(kHiddenMultiple);
-  if (pr.num_experts <= 0)
-    return "num_experts=" + std::to_string(pr.num_experts) + " must be positive";
-  if (pr.top_k <= 0) return "top_k=" + std::to_string(pr.top_k) + " must be positive";
-  if (pr.num_tokens < 0)
-    return "num_tokens=" + std::to_string(pr.num_tokens) + " must be non-negative";
-  if (pr.max_padded < 0 || pr.max_padded % pr.block_m != 0)
-    return "max_padded=" + std::to_string(pr.max_padded) +
-           " must be a non-negative multiple of block_m=" + std::to_string(pr.block_m);
-  // Rows, pair indices and TMA coordinates are 32-bit; gathered x chunks are 32-bit
-  // offsets in units of 8 elements.
-  if (pr.num_tokens * pr.top_k > kMaxRows || pr.max_padded > kMaxRows ||
-      pr.num_experts * 2 * pr.hidden_dim > kMaxRows || pr.num_experts * pr.dim > kMaxRows ||
-      pr.num_tokens * pr.dim / 8 > int64_t(0xFFFFFFFF))
-    return "num_tokens=" + std::to_string(pr.num_tokens) +
-           ", num_experts=" + std::to_string(pr.num_experts) +
-           " are too large: rows, pairs and weight rows must "
-           "stay below 2^31 (and T*D/8 below 2^32)";
-  if (c.bpc < 1) return "bpc=" + std::to_string(c.bpc) + " must be at least 1";
-  if (c.cpc != 0 && c.cpc != 1)
-    return "cpc=" + std::to_string(c.cpc) + sm90 + " (no TMA multicast in this kernel); use 1 or 0";
-  if (c.warp_n == 4 || c.warp_n == 8) {
-    if (!is_original_tile(c.block_n, c.warp_n))
-      return "block_n=" + std::to_string(c.block_n) + " with warp_n=" + std::to_string(c.warp_n) +
-             sm90 + "; the original's tiles are (block_n, warp_n) = (64, 4) or (32, 8), and " +
-             "this kernel's block_n " + block_ns + " with warp_n 0 or 2";
-    if (c.stages < 0 || c.stages > 5)
-      return "stages=" + std::to_string(c.stages) + sm90 +
-             " with the original's tiles; use 1..5 or 0 for the tuned choice";
-  } else if (c.warp_n == 0 || c.warp_n == kConsumerWarpgroups) {
-    if (c.block_n != 0 && !is_instantiated(int(pr.block_m), c.block_n))
-      return "block_n=" + std::to_string(c.block_n) + sm90 + "; use " + block_ns +
-             ", 0 for the tuned choice, or the original's (64, 4) / (32, 8) with warp_n";
-    if (c.stages != 0) {
-      const FusedMoeBf16Config resolved = resolve_fused_moe_bf16_config(pr, c);
-      const int limit = max_stages(int(pr.block_m), resolved.block_n, pr.device);
-      if (c.stages < kMinStages || c.stages > limit)
-        return "stages=" + std::to_string(c.stages) + sm90 +
-               " at block_m=" + std::to_string(pr.block_m) +
-               ", block_n=" + std::to_string(resolved.block_n) + "; use " +
-               std::to_string(kMinStages) + ".." + std::to_string(limit) +
-               " (shared memory) or 0 for the tuned choice";
-    }
-  } else {
-    return "warp_n=" + std::to_string(c.warp_n) + sm90 +
-           "; use 0 or 2 (this kernel's two consumer warpgroups), or the original's 4 or 8";
-  }
+  std::string error = forward::check_config<Bf16Weights>(pr, c, 5);
+  if (!error.empty()) return error;
   if (pr.num_tokens > 0 &&
       (!aligned16(pr.x) || !aligned16(pr.w) || !aligned16(pr.w2) || !aligned16(pr.out)))
     return "x, w, w2 and out must be 16-byte aligned (TMA and 16-byte copies)";
-  // What the hints resolve to must be a ring this device's shared memory holds.
-  const FusedMoeBf16Config resolved = resolve_fused_moe_bf16_config(pr, c);
-  if (resolved.stages < kMinStages)
-    return "device " + std::to_string(pr.device) + " offers too little shared memory per block (" +
-           std::to_string(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, pr.device)) +
-           " bytes) for a " + std::to_string(kMinStages) + "-stage ring of the " +
-           std::to_string(pr.block_m) + "x" + std::to_string(resolved.block_n) + " tile";
-  return "";
+  return forward::check_ring<Bf16Weights>(pr, c);
 }
 
 size_t fused_moe_bf16_workspace_bytes(const FusedMoeBf16Problem& problem,
                                       const FusedMoeBf16Config& config) {
-  return carve_workspace(problem, config.split, nullptr).bytes;
+  return forward::carve_workspace(problem, config.split, 0, nullptr).bytes;
 }
 
 cudaError_t launch_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& c,
                                   void* workspace, cudaStream_t stream) {
-  if (pr.num_tokens == 0) return cudaSuccess;  // out is empty
-  // A config that did not come from resolve (or a device that changed) never launches.
-  if (!is_instantiated(int(pr.block_m), c.block_n) || c.stages < kMinStages ||
-      c.stages > max_stages(int(pr.block_m), c.block_n, pr.device))
-    return cudaErrorInvalidValue;
-  if ((pr.keep_z != nullptr) != (pr.keep_pair_to_row != nullptr) ||
-      (pr.keep_z != nullptr && !c.split))
-    return cudaErrorInvalidValue;  // training keeps both, on the split path
-  const Workspace ws = carve_workspace(pr, c.split, workspace);
-  const int num_sms = usable_sms(pr.device);
-  if (num_sms == 0) return cudaErrorInvalidDevice;
-  const int num_pairs = int(pr.num_tokens * pr.top_k);
-  cudaError_t err;
-  if (c.split) {
-    // All bytes 0xFF = -1: no row; the gate/up producer scatters the routed ones.
-    err = cudaMemsetAsync(ws.pair_to_row, 0xFF, size_t(num_pairs) * sizeof(int32_t), stream);
-    if (err != cudaSuccess) return err;
-  }
-  if (pr.max_padded > 0) {
-    const int D = int(pr.dim), H = int(pr.hidden_dim), E = int(pr.num_experts);
-    MoeGemmParams g{};
-    g.sorted_token_ids = pr.sorted_token_ids;
-    g.expert_ids = pr.expert_ids;
-    g.num_tokens_post_padded = pr.num_tokens_post_padded;
-    g.x = pr.x;
-    g.ld_x = D;
-    g.topk_weights = pr.topk_weights;
-    g.max_padded = int(pr.max_padded);
-    g.num_pairs = num_pairs;
-    g.top_k = int(pr.top_k);
-    g.num_experts = E;
-    g.stages = c.stages;
-
-    // Gate/up: A gathered from x (no tensor map; tmap_w is passed twice as a filler).
-    CUtensorMap tmap_w, tmap_h, tmap_w2;
-    err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_w, pr.w, uint64_t(E) * 2 * H, D, c.block_n);
-    if (err != cudaSuccess) return err;
-    MoeGemmParams gate_up = g;
-    gate_up.pair_to_row = c.split ? ws.pair_to_row : nullptr;
-    gate_up.out = ws.h;
-    gate_up.z = pr.keep_z;
-    gate_up.ld_out = H;
-    gate_up.k_dim = D;
-    gate_up.n_dim = H;
-    gate_up.b_rows_per_expert = 2 * H;
-    gate_up.b_second_offset = H;
-
-    err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_h, ws.h, uint64_t(pr.max_padded), H,
-                                                uint32_t(pr.block_m));
-    if (err != cudaSuccess) return err;
-    MoeGemmParams down = g;
-    down.out = c.split ? ws.y : pr.out;
-    down.ld_out = D;
-    down.k_dim = H;
-    down.n_dim = D;
-    down.b_rows_per_expert = D;
-    down.b_second_offset = 0;
-
-    const bool found = with_forward_kernels(int(pr.block_m), c.block_n, [&](auto kernels) {
-      using K = decltype(kernels);
-      err = pr.keep_z != nullptr
-                ? launch_gemm<typename K::GateUpKeepZ>(tmap_w, tmap_w, gate_up, num_sms, stream)
-                : launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
-      if (err != cudaSuccess) return;
-      err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_w2, pr.w2, uint64_t(E) * D, H,
-                                                  K::DownTile::kBlockN);
-      if (err != cudaSuccess) return;
-      down.stages = K::down_stages(c.stages, pr.device, kMaxStages);
-      err = c.split ? launch_gemm<typename K::DownStore>(tmap_h, tmap_w2, down, num_sms, stream)
-                    : launch_gemm<typename K::DownAtomic>(tmap_h, tmap_w2, down, num_sms, stream);
-    });
-    if (!found) return cudaErrorInvalidValue;  // unreachable after check_fused_moe_bf16
-    if (err != cudaSuccess) return err;
-  }
-  if (c.split) {
-    CombineParams cp{ws.y,        ws.pair_to_row, pr.topk_weights,   pr.out,
-                     int(pr.dim), int(pr.top_k),  int(pr.max_padded)};
-    moe_combine_kernel<<<unsigned(pr.num_tokens), kCombineThreads, 0, stream>>>(cp);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  const forward::Workspace ws = forward::carve_workspace(pr, c.split, 0, workspace);
+  return forward::launch_forward<Bf16Weights>(pr, pr.x, {pr.w, pr.w2, nullptr, nullptr}, c, ws,
+                                              stream);
 }
 
 std::string describe_fused_moe_bf16_config(const FusedMoeBf16Problem& pr,
                                            const FusedMoeBf16Config& requested,
                                            const FusedMoeBf16Config& c) {
-  const std::string bm = std::to_string(pr.block_m);
-  const std::string bn = std::to_string(c.block_n);
-  std::string down = "?";
-  with_forward_kernels(int(pr.block_m), c.block_n, [&](auto kernels) {
-    using K = decltype(kernels);
-    down = bm + "x" + std::to_string(K::DownTile::kBlockN) +
-           (K::kDownPingPong ? " ping-pong" : " cooperative") + ", " +
-           std::to_string(K::down_stages(c.stages, pr.device, kMaxStages)) + " stages";
-  });
-  std::string text =
-      "fused_moe_bf16 sm_90a: block_m=" + bm + " block_n=" + bn + " (gate/up tile " + bm + "x(" +
-      bn + "+" + bn + ") cooperative, down tile " + down +
-      ") consumer warpgroups=" + std::to_string(c.warp_n) + " stages=" + std::to_string(c.stages) +
-      " bpc=" + std::to_string(c.bpc) + " cpc=" + std::to_string(c.cpc) +
-      (c.split ? " split=true" : " split=false") + " sms=" + std::to_string(usable_sms(pr.device)) +
-      " gather=cp.async+swizzle; asked block_n=" + std::to_string(requested.block_n) +
-      " warp_n=" + std::to_string(requested.warp_n) +
-      " stages=" + std::to_string(requested.stages) + " cpc=" + std::to_string(requested.cpc);
-  if (requested.warp_n == 4 || requested.warp_n == 8)
-    text += " (the original's Blackwell tile: the tuned tile here)";
-  return text;
+  return forward::describe_config<Bf16Weights>(pr, requested, c, "gather=cp.async+swizzle");
 }
 
 }  // namespace prime_moe

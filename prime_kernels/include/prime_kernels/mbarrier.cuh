@@ -76,6 +76,12 @@ __device__ __forceinline__ bool warpgroup_any(bool pred, int id) {
   return any != 0;
 }
 
+// Waits until `threads` threads (whole warps) of the CTA reached named barrier `id` (not 0,
+// which __syncthreads uses); orders their shared-memory accesses before and after it.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Register budget per warpgroup (sm_90a); needs a register cap at entry
 // (__launch_bounds__(threads, 1)).
 template <int kRegs>

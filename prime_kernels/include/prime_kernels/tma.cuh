@@ -9,36 +9,61 @@
 
 namespace prime_kernels {
 
+namespace detail {
+using TmaEncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// Resolved once (thread-safe static init); 12000 is the ABI of cuTensorMapEncodeTiled as
+// introduced in CUDA 12.0.
+inline TmaEncodeFn tma_encode_fn() {
+  static const TmaEncodeFn encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                             cudaEnableDefault, &status);
+    const bool ok = err == cudaSuccess && status == cudaDriverEntryPointSuccess;
+    return ok ? reinterpret_cast<TmaEncodeFn>(fn) : nullptr;
+  }();
+  return encode;
+}
+
+// A row-major 2D matrix (rows x cols elements of elem_bytes, row stride = cols) as a tensor
+// map with boxes of box_rows x box_cols; out-of-bounds box rows are filled with zeros.
+inline cudaError_t make_tma_2d(CUtensorMap* map, CUtensorMapDataType dtype, uint32_t elem_bytes,
+                               const void* base, uint64_t rows, uint64_t cols, uint32_t box_cols,
+                               uint32_t box_rows, CUtensorMapSwizzle swizzle) {
+  const TmaEncodeFn encode = tma_encode_fn();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols * elem_bytes};  // bytes between rows
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult res =
+      encode(map, dtype, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+}  // namespace detail
+
 // Encodes a row-major 2D bf16 matrix (rows x cols, row stride = cols elements) as a tensor
 // map with boxes of box_rows x 64 elements (64 bf16 = 128 bytes, the widest box the
 // 128-byte swizzle allows) and the 128-byte swizzle that the wgmma descriptors expect.
 // Out-of-bounds box rows are filled with zeros.
 inline cudaError_t make_tma_2d_bf16_sw128(CUtensorMap* map, const void* base, uint64_t rows,
                                           uint64_t cols, uint32_t box_rows) {
-  using EncodeFn =
-      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  // Resolved once (thread-safe static init); 12000 is the ABI of cuTensorMapEncodeTiled as
-  // introduced in CUDA 12.0.
-  static const EncodeFn encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                             cudaEnableDefault, &status);
-    const bool ok = err == cudaSuccess && status == cudaDriverEntryPointSuccess;
-    return ok ? reinterpret_cast<EncodeFn>(fn) : nullptr;
-  }();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {cols, rows};
-  const cuuint64_t strides[1] = {cols * 2};  // bytes between rows
-  const cuuint32_t box[2] = {64, box_rows};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult res =
-      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return detail::make_tma_2d(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, rows, cols, 64,
+                             box_rows, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// A row-major 2D byte matrix (fp8 values: rows x cols bytes) with boxes of box_rows x 64
+// bytes, unswizzled: box row r lands at 64 r bytes, for threads that read it back by hand.
+inline cudaError_t make_tma_2d_u8(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols,
+                                  uint32_t box_rows) {
+  return detail::make_tma_2d(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, rows, cols, 64, box_rows,
+                             CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 // Loads the box at (col, row) of `map` into shared memory at dst (1024-byte aligned for
@@ -54,6 +79,17 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
 
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory to
+// shared memory at dst; completion is signalled on `bar` as transaction bytes.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes,
+                                              uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
 }
 
 }  // namespace prime_kernels

@@ -18,12 +18,14 @@
 //                       token rows of x and dO are first copied into padded-row order,
 //                       combine.cuh: gathered along K by cp.async they ran at half the
 //                       rate).
-// (A multicast weight loader for 2-CTA clusters and an fp8 loader with its scales are
-// further parts of this file's kind.)
+// The MXFP8 weight loader (e4m3 weights and their scales, widened to bf16 by the producer
+// threads) is in mxfp8_loaders.cuh. (A multicast weight loader for 2-CTA clusters is a further
+// part of this file's kind.)
 #pragma once
 
 #include <cuda.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "moe_gemm_params.cuh"
@@ -40,7 +42,11 @@ struct TmaLoader {
   static constexpr int kProducerRegs = 40;
   static constexpr uint32_t kFullArrivals = 0;
   static constexpr bool kGenericProxyWrites = false;
+  // Shared memory a B loader keeps past the stage ring (MoeGemm::smem_bytes counts it): none.
+  static constexpr size_t kExtraSmemBytes = 0;
   __device__ __forceinline__ explicit TmaLoader(int /*tid*/) {}
+  __device__ __forceinline__ static void init_extra(uint8_t* /*extra*/) {}
+  __device__ __forceinline__ void attach(uint8_t* /*extra*/) {}
 };
 
 // kNumB weight tiles of kBlockN x 64 from the (E * b_rows_per_expert, K) view of the

@@ -3,7 +3,9 @@
 // scheduler x consumer schedule (the MMA mainloop follows from the tile, the schedule and
 // the loaders' layouts):
 //   warpgroup 0      producer: the A and B tiles of each K step into the stage ring, by TMA
-//                    (thread 0) or cp.async gathers (the loaders, loaders.cuh);
+//                    (thread 0) or cp.async gathers (the loaders, loaders.cuh), or for MXFP8
+//                    weights by TMA into a staging ring of its own and a widening pass
+//                    (mxfp8_loaders.cuh);
 //   warpgroups 1, 2  consumers: the MMA mainloop over the ring into fp32 registers, then
 //                    the epilogue from registers to global memory.
 // The consumers either share each tile (CooperativeConsumers) or own alternate tiles and
@@ -68,9 +70,13 @@ struct MoeGemm {
   static_assert(!Epilogue::kWritesPaddingRows || Scheduler::kMGrouped,
                 "padding rows are rows of M-grouped tiles");
 
-  // The ring, then (ping-pong) the two turn barriers.
+  static_assert(BLoad::kExtraSmemBytes % 1024 == 0, "the stage buffers after it stay aligned");
+
+  // The B loader's own shared memory (its staging, mxfp8_loaders.cuh), the ring, then
+  // (ping-pong) the two turn barriers.
   static constexpr size_t smem_bytes(int stages) {
-    return Tile::smem_bytes(stages) + (Consumers::kPingPong ? 2 * sizeof(uint64_t) : 0);
+    return BLoad::kExtraSmemBytes + Tile::smem_bytes(stages) +
+           (Consumers::kPingPong ? 2 * sizeof(uint64_t) : 0);
   }
 };
 
@@ -109,7 +115,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int stages = p.stages;
-  uint8_t* smem_a = smem;
+  uint8_t* smem_extra = smem;
+  uint8_t* smem_a = smem + BLoad::kExtraSmemBytes;
   uint8_t* smem_b = smem + size_t(stages) * Tile::kABytes;
   const StageRing ring(smem_b + size_t(stages) * Tile::kBBytes, stages);
   uint64_t* turn_barriers = ring.empty + stages;
@@ -117,6 +124,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
+    BLoad::init_extra(smem_extra);
     ring.init(Kernel::kFullArrivals, Kernel::kEmptyArrivals);
     if constexpr (Consumers::kPingPong) {
       mbarrier_init(&turn_barriers[0], 128);
@@ -138,6 +146,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     if (tid >= Kernel::kProducerThreads) return;
     ALoad a_load(tid);
     BLoad b_load(tid);
+    b_load.attach(smem_extra);
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       if (!sched.work(t, p, w)) continue;
       if (tid < ALoad::kThreads) a_load.start_tile(p, sched.npp, w);

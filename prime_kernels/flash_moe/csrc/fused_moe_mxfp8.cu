@@ -1,0 +1,103 @@
+// Launcher of the MXFP8 fused MoE forward on sm_90a (host side of fused_moe_mxfp8.h): x is
+// dequantized to a bf16 workspace (mxfp8_dequantize.cuh), then forward_kernels.h's launch
+// sequence runs with MXFP8 weights (Mxfp8WeightTiles, SwiGluToMxfp8). Tiles, stages and the
+// hints' meaning are the bf16 forward's; the staging slots of the weight loader take shared
+// memory from the ring, so ring_stages picks fewer stages where they do not fit beside it.
+#include "fused_moe_mxfp8.h"
+
+#include <string>
+
+#include "device/mxfp8_dequantize.cuh"
+#include "flash_moe_constants.h"
+#include "forward_kernels.h"
+#include "moe_launch.h"
+
+namespace prime_moe {
+namespace {
+
+using forward::Mxfp8Weights;
+
+// The problem's shapes and routing in the form the shared launch sequence reads (its x, w and
+// w2 are bf16-typed: the MXFP8 operands travel beside it).
+FusedMoeBf16Problem shape_of(const FusedMoeMxfp8Problem& pr) {
+  FusedMoeBf16Problem s{};
+  s.sorted_token_ids = pr.sorted_token_ids;
+  s.expert_ids = pr.expert_ids;
+  s.num_tokens_post_padded = pr.num_tokens_post_padded;
+  s.topk_weights = pr.topk_weights;
+  s.out = pr.out;
+  s.num_tokens = pr.num_tokens;
+  s.dim = pr.dim;
+  s.hidden_dim = pr.hidden_dim;
+  s.num_experts = pr.num_experts;
+  s.top_k = pr.top_k;
+  s.max_padded = pr.max_padded;
+  s.block_m = pr.block_m;
+  s.device = pr.device;
+  return s;
+}
+
+size_t x_rows_bytes(const FusedMoeMxfp8Problem& pr) {
+  return size_t(pr.num_tokens) * size_t(pr.dim) * sizeof(__nv_bfloat16);
+}
+
+}  // namespace
+
+FusedMoeMxfp8Config resolve_fused_moe_mxfp8_config(const FusedMoeMxfp8Problem& problem,
+                                                   const FusedMoeMxfp8Config& requested) {
+  return forward::resolve_config<Mxfp8Weights>(shape_of(problem), requested);
+}
+
+std::string check_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMoeMxfp8Config& c) {
+  const std::string sm90 = " is not supported by fused_moe_mxfp8 on sm_90";
+  if (pr.dim <= 0 || pr.dim % kMxfp8DimMultiple != 0)
+    return "dim=" + std::to_string(pr.dim) + sm90 + "; it must be a positive multiple of " +
+           std::to_string(kMxfp8DimMultiple) +
+           " (the blocked scale layout's 128-row tiles of w2 and 4-column tiles of w's D/32)";
+  if (pr.hidden_dim <= 0 || pr.hidden_dim % kMxfp8HiddenMultiple != 0)
+    return "hidden_dim=" + std::to_string(pr.hidden_dim) + sm90 +
+           "; it must be a positive multiple of " + std::to_string(kMxfp8HiddenMultiple) +
+           " (the blocked scale layout's 128-row tiles of w and 4-column tiles of w2's H/32)";
+  const FusedMoeBf16Problem shape = shape_of(pr);
+  std::string error = forward::check_config<Mxfp8Weights>(shape, c, 4);
+  if (!error.empty()) return error;
+  if (pr.num_tokens > 0 &&
+      (!aligned16(pr.x) || !aligned16(pr.w) || !aligned16(pr.w2) || !aligned16(pr.out) ||
+       !aligned16(pr.w_scales) || !aligned16(pr.w2_scales)))
+    return "x, w, w2, out, w_scales and w2_scales must be 16-byte aligned (TMA and 16-byte "
+           "copies)";
+  return forward::check_ring<Mxfp8Weights>(shape, c);
+}
+
+size_t fused_moe_mxfp8_workspace_bytes(const FusedMoeMxfp8Problem& problem,
+                                       const FusedMoeMxfp8Config& config) {
+  return forward::carve_workspace(shape_of(problem), config.split, x_rows_bytes(problem), nullptr)
+      .bytes;
+}
+
+cudaError_t launch_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMoeMxfp8Config& c,
+                                   void* workspace, cudaStream_t stream) {
+  if (pr.num_tokens == 0) return cudaSuccess;  // out is empty
+  const FusedMoeBf16Problem shape = shape_of(pr);
+  if (!forward::launchable<Mxfp8Weights>(shape, c)) return cudaErrorInvalidValue;
+  const forward::Workspace ws =
+      forward::carve_workspace(shape, c.split, x_rows_bytes(pr), workspace);
+  const Mxfp8DequantizeParams dq{pr.x, pr.x_scales, ws.x_rows, pr.num_tokens * pr.dim / 16};
+  const int64_t grid = (dq.chunks + kMxfp8DequantizeThreads - 1) / kMxfp8DequantizeThreads;
+  mxfp8_dequantize_rows_kernel<<<unsigned(grid), kMxfp8DequantizeThreads, 0, stream>>>(dq);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return forward::launch_forward<Mxfp8Weights>(
+      shape, ws.x_rows, {pr.w, pr.w2, pr.w_scales, pr.w2_scales}, c, ws, stream);
+}
+
+std::string describe_fused_moe_mxfp8_config(const FusedMoeMxfp8Problem& pr,
+                                            const FusedMoeMxfp8Config& requested,
+                                            const FusedMoeMxfp8Config& c) {
+  return forward::describe_config<Mxfp8Weights>(
+      shape_of(pr), requested, c,
+      "x=dequantized pre-pass + gather, weights=fp8 TMA + scales widened to bf16 in smem, "
+      "h=MXFP8 re-quantized");
+}
+
+}  // namespace prime_moe

@@ -1,0 +1,331 @@
+"""fused_moe_mxfp8 on the GPU. Two kinds of bars: CONTRACT.md's (relative error <= 1e-1
+against the grouped-mm path, and an error against the fp32 expert loop at most 1.5x the
+quantization floor, the fp32 model on MXFP8 round-tripped inputs), which a lossy shortcut
+could pass, and agreement with the exact-MX emulation (reference.moe_mxfp8_emulation) at
+bf16-level tolerance, which it could not. Over the bf16 tests' shapes and routings, both
+split modes, and the consumer's own sequence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prime_kernels.flash_moe import mxfp8, reference
+
+from .test_fused_moe_bf16 import CASES, make_inputs
+
+pytestmark = pytest.mark.gpu
+
+BAR = 1e-1
+RATIO_TO_FLOOR = 1.5
+# Kernel against exact MX: the emulation rounds where the kernel rounds (h, y or weight * y,
+# out), so split=True differs only by fp32 summation order (and the rare re-quantization flips
+# it causes). split=False adds each pair into out with bf16 atomics in whatever order they
+# land: with k > 2 the roundings of the partial sums depend on it, which no emulation can
+# follow (on the CPU, one random order against the fp32 sum of the same bf16 terms: 3.0e-3 at
+# k = 4, 4.0e-3 at 8, 5.3e-3 at 16), so that bar grows as sqrt(k / 2).
+EMULATION_BAR = 3e-3
+
+
+def emulation_bar(split: bool, k: int) -> float:
+    return EMULATION_BAR if split else EMULATION_BAR * max(1.0, math.sqrt(k / 2))
+
+
+def emulate(ops, ws, w2s, ids, weights, split):
+    return reference.moe_mxfp8_emulation(
+        ops[0], ops[1], ops[2], ws, ops[4], w2s, ids, weights, split=split
+    )
+
+
+def quantize(flash_moe, x, w, w2):
+    """As the consumer quantizes: block 32, e4m3, RCEIL; x's scales row-major, the weights'
+    packed with pack_scales_blocked. Returns the op's operands and the row-major weight
+    scales (for the emulation)."""
+    xq, xs = flash_moe.quantize_mxfp8(x)
+    wq, ws = flash_moe.quantize_mxfp8(w)
+    w2q, w2s = flash_moe.quantize_mxfp8(w2)
+    ops = (xq, xs, wq, flash_moe.pack_scales_blocked(ws), w2q, flash_moe.pack_scales_blocked(w2s))
+    return ops, (ws, w2s)
+
+
+def run_ours(flash_moe, ops, ids, weights, *, split, block_m=None, **tuning):
+    block_m = block_m or flash_moe.BLOCK_M
+    E, k = ops[2].shape[0], ids.shape[1]
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, E, block_m)
+    # split=True must overwrite every element: poison it with NaN.
+    out = torch.full(ops[0].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    if not split:
+        out.zero_()
+    result = flash_moe.fused_moe_mxfp8(
+        *ops, sorted_ids, expert_ids, total, weights, out, k, block_m=block_m, split=split, **tuning
+    )
+    assert result is out
+    return out
+
+
+def check(flash_moe, inputs, *, split, **tuning):
+    x, w, w2, ids, weights = inputs
+    ops, (ws, w2s) = quantize(flash_moe, x, w, w2)
+    out = run_ours(flash_moe, ops, ids, weights, split=split, **tuning)
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output elements"
+    emulated = emulate(ops, ws, w2s, ids, weights, split)
+    truth = reference.moe_expert_loop_fp32(x, w, w2, ids, weights)
+    if truth.norm() == 0:  # every pair dropped
+        assert (out == 0).all()
+        return out
+    k = ids.shape[1]
+    vs_emulation = reference.relative_error(out, emulated)
+    assert vs_emulation <= emulation_bar(split, k), (
+        f"relative error {vs_emulation:.3e} against the exact-MX emulation"
+    )
+    ref = reference.moe_grouped_mm(x, w, w2, ids, weights)
+    error = reference.relative_error(out, ref)
+    assert error <= BAR, f"relative error {error:.3e} against the grouped-mm path"
+    floor = reference.relative_error(reference.moe_mxfp8_floor(x, w, w2, ids, weights), truth)
+    ours_vs_truth = reference.relative_error(out, truth)
+    assert ours_vs_truth <= RATIO_TO_FLOOR * floor + 1e-6, (
+        f"error against fp32 {ours_vs_truth:.3e} > {RATIO_TO_FLOOR} x the quantization floor "
+        f"{floor:.3e}"
+    )
+    return out
+
+
+def mx_cases():
+    from prime_kernels import flash_moe
+
+    return [c for c in CASES if flash_moe.unsupported_shape_reason(c[1], c[2], mxfp8=True) is None]
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+@pytest.mark.parametrize(("T", "D", "H", "E", "k", "kind"), mx_cases())
+def test_against_emulation_and_contract(flash_moe, seed, split, T, D, H, E, k, kind):
+    generator = torch.Generator().manual_seed(seed)
+    check(flash_moe, make_inputs(T, D, H, E, k, kind, generator), split=split)
+
+
+def test_consumer_sequence(flash_moe, seed):
+    """The consumer's own test: E=4, k=2, D=256, H=128, T=512, x ~ 0.2 randn, weights ~ 0.05
+    randn, top-2 of a softmax; x, cat(w1, w3) and w2 quantized (block 32, e4m3, RCEIL), the
+    weight scales packed, fused_moe_mxfp8(..., split=True)."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    E, k, D, H, T = 4, 2, 256, 128, 512
+    x = (0.2 * torch.randn(T, D, generator=generator, device="cuda")).bfloat16()
+    w1 = (0.05 * torch.randn(E, H, D, generator=generator, device="cuda")).bfloat16()
+    w3 = (0.05 * torch.randn(E, H, D, generator=generator, device="cuda")).bfloat16()
+    w2 = (0.05 * torch.randn(E, D, H, generator=generator, device="cuda")).bfloat16()
+    ids, weights = reference.routing(T, E, k, generator=generator)
+    w = torch.cat([w1, w3], dim=1)
+    xq, xs = mxfp8.quantize_mxfp8(x)
+    wq, ws = mxfp8.quantize_mxfp8(w)
+    w2q, w2s = mxfp8.quantize_mxfp8(w2)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, E)
+    out = torch.empty_like(x)
+    flash_moe.fused_moe_mxfp8(
+        xq,
+        xs,
+        wq,
+        flash_moe.pack_scales_blocked(ws),
+        w2q,
+        flash_moe.pack_scales_blocked(w2s),
+        sorted_ids,
+        expert_ids,
+        total,
+        weights,
+        out,
+        k,
+        split=True,
+    )
+    truth = reference.moe_expert_loop_fp32(x, w, w2, ids, weights)
+    floor = reference.relative_error(reference.moe_mxfp8_floor(x, w, w2, ids, weights), truth)
+    assert reference.relative_error(out, reference.moe_grouped_mm(x, w, w2, ids, weights)) <= BAR
+    assert reference.relative_error(out, truth) <= RATIO_TO_FLOOR * floor
+    emulated = reference.moe_mxfp8_emulation(xq, xs, wq, ws, w2q, w2s, ids, weights)
+    assert reference.relative_error(out, emulated) <= EMULATION_BAR
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+@pytest.mark.parametrize(
+    ("T", "D", "H", "E", "k", "kind"),
+    [
+        (37, 128, 128, 4, 2, "uniform"),
+        (9, 128, 128, 3, 1, "dropped"),
+        (50, 256, 128, 8, 8, "zipf"),
+    ],
+)
+def test_small_shapes_for_sanitizer(flash_moe, seed, split, T, D, H, E, k, kind):
+    generator = torch.Generator().manual_seed(seed)
+    check(flash_moe, make_inputs(T, D, H, E, k, kind, generator), split=split)
+
+
+@pytest.mark.parametrize("block_n", [None, 64, 128])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_block_m_64(flash_moe, seed, split, block_n):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(700, 512, 256, 16, 4, "zipf", generator)
+    check(flash_moe, inputs, split=split, block_m=64, block_n=block_n)
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(64, 128), (64, 64), (128, 64), (128, 128)])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_tiles_and_partial_last_n_tile(flash_moe, seed, split, block_m, block_n):
+    """D = H = 384: at block_m = 64, block_n = 128 the down GEMM's last 256-wide n tile holds
+    128 rows of w2 and reads the last scale tile for the rest; block_n = 64 puts gate/up
+    tiles in the upper half of a 128-row scale tile."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(300, 384, 384, 8, 4, "uniform", generator)
+    check(flash_moe, inputs, split=split, block_m=block_m, block_n=block_n)
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_poisoned_workspace(flash_moe, seed, split, block_m):
+    """The workspace (x dequantized, h, y, pair_to_row) comes from the caching allocator
+    unwritten: fill its free memory with NaN first; no NaN may reach out."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(1000, 512, 256, 16, 4, "zipf", generator)
+    torch.cuda.synchronize()
+    poison = torch.full((64 << 20,), 0x7FC07FC0, dtype=torch.int32, device="cuda")
+    del poison
+    check(flash_moe, inputs, split=split, block_m=block_m)
+
+
+def test_split_is_bitwise_deterministic(flash_moe, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(4096, 1024, 512, 32, 8, "zipf", generator)
+    ops, _ = quantize(flash_moe, x, w, w2)
+    first = run_ours(flash_moe, ops, ids, weights, split=True)
+    for _ in range(5):
+        assert torch.equal(run_ours(flash_moe, ops, ids, weights, split=True), first)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_nan_scale_poisons_exactly_its_token(flash_moe, seed, split):
+    """A NaN scale (0xFF) makes its block NaN (mxfp8.py's policy): every output of that
+    token is NaN (each h column reads all of x's row), every other token's is finite."""
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(300, 256, 128, 8, 2, "uniform", generator)
+    ops, _ = quantize(flash_moe, x, w, w2)
+    xs = ops[1].view(torch.uint8).clone()
+    xs[17, 3] = 0xFF
+    ops = (ops[0], xs.view(torch.float8_e8m0fnu), *ops[2:])
+    out = run_ours(flash_moe, ops, ids, weights, split=split)
+    assert torch.isnan(out[17]).all()
+    others = torch.cat([out[:17], out[18:]])
+    assert torch.isfinite(others).all()
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_no_tokens(flash_moe, split):
+    D, H, E, k = 256, 128, 8, 2
+    x = torch.empty(0, D, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(E, 2 * H, D, device="cuda").bfloat16()
+    w2 = torch.randn(E, D, H, device="cuda").bfloat16()
+    ids = torch.empty(0, k, dtype=torch.int32, device="cuda")
+    weights = torch.empty(0, k, device="cuda")
+    ops, _ = quantize(flash_moe, x, w, w2)
+    out = run_ours(flash_moe, ops, ids, weights, split=split)
+    assert out.shape == (0, D)
+
+
+# The original's tuning values, as callers spell them (stages 1..4 for mxfp8), positionally.
+ORIGINAL_TUNINGS = [(64, 4, 4), (64, 4, 1), (32, 8, 2), (32, 8, 4)]
+
+
+@pytest.mark.parametrize(("block_n", "warp_n", "stages"), ORIGINAL_TUNINGS)
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_original_tuning_values(flash_moe, seed, split, block_n, warp_n, stages):
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(700, 512, 256, 16, 4, "zipf", generator)
+    ops, (ws, w2s) = quantize(flash_moe, x, w, w2)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 16)
+    out = torch.full_like(x, float("nan")) if split else torch.zeros_like(x)
+    args = (*ops, sorted_ids, expert_ids, total, weights, out, 4)
+    flash_moe.fused_moe_mxfp8(*args, 128, block_n, warp_n, stages, 1, split)
+    emulated = emulate(ops, ws, w2s, ids, weights, split)
+    assert reference.relative_error(out, emulated) <= emulation_bar(split, 4)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_cuda_graph_capture(flash_moe, seed, split):
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(1024, 512, 256, 16, 4, "uniform", generator)
+    ops, (ws, w2s) = quantize(flash_moe, x, w, w2)
+    out = torch.empty_like(x)
+
+    def forward():
+        sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 16)
+        if not split:
+            out.zero_()
+        flash_moe.fused_moe_mxfp8(*ops, sorted_ids, expert_ids, total, weights, out, 4, split=split)
+
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    new_x, _, _, new_ids, _ = make_inputs(1024, 512, 256, 16, 4, "zipf", generator)
+    xq, xs = flash_moe.quantize_mxfp8(new_x)
+    ops[0].copy_(xq)
+    ops[1].copy_(xs)
+    ids.copy_(new_ids)
+    out.fill_(float("nan"))
+    graph.replay()
+    emulated = emulate(ops, ws, w2s, ids, weights, split)
+    assert reference.relative_error(out, emulated) <= emulation_bar(split, 4)
+
+
+def test_torch_compile_fullgraph(flash_moe, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(256, 256, 128, 8, 2, "uniform", generator)
+    ops, (ws, w2s) = quantize(flash_moe, x, w, w2)
+
+    def forward(xq, xs, wq, wsb, w2q, w2sb, ids, weights):
+        sorted_ids, expert_ids, total = flash_moe.moe_align(ids, wq.shape[0])
+        out = torch.empty(xq.shape, dtype=torch.bfloat16, device=xq.device)
+        return flash_moe.fused_moe_mxfp8(
+            xq, xs, wq, wsb, w2q, w2sb, sorted_ids, expert_ids, total, weights, out, ids.shape[1]
+        )
+
+    compiled = torch.compile(forward, fullgraph=True)
+    out = compiled(*ops, ids, weights)
+    emulated = emulate(ops, ws, w2s, ids, weights, True)
+    assert reference.relative_error(out, emulated) <= EMULATION_BAR
+
+
+def test_opcheck(flash_moe, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(100, 256, 128, 4, 2, "uniform", generator)
+    ops, _ = quantize(flash_moe, x, w, w2)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 4)
+    out = torch.empty_like(x)
+    bits = [t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t for t in ops]
+    args = (*bits, sorted_ids, expert_ids, total, weights, out, 2)
+    torch.library.opcheck(
+        torch.ops.prime_moe.fused_moe_mxfp8.default,
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )
+
+
+@pytest.mark.sanitize
+def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
+    """Whatever sorted_token_ids and expert_ids hold, the kernels only touch valid memory
+    (compute-sanitizer memcheck runs this); with random ids the numbers are unspecified."""
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(100, 128, 128, 4, 2, "uniform", generator)
+    ops, _ = quantize(flash_moe, x, w, w2)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 4)
+    sorted_ids = torch.randint(-5, 10**6, sorted_ids.shape, dtype=torch.int32, device="cuda")
+    expert_ids = torch.randint(-5, 100, expert_ids.shape, dtype=torch.int32, device="cuda")
+    for bad_total in (10**7, -3):
+        total.fill_(bad_total)
+        for split in (True, False):
+            out = torch.zeros_like(x)
+            flash_moe.fused_moe_mxfp8(
+                *ops, sorted_ids, expert_ids, total, weights, out, 2, split=split
+            )
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
