@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   const int stages = p.stages;
   uint8_t* smem_extra = smem;
   uint8_t* smem_a = smem + BLoad::kExtraSmemBytes;
-  uint8_t* smem_b = smem + size_t(stages) * Tile::kABytes;
+  uint8_t* smem_b = smem_a + size_t(stages) * Tile::kABytes;
   const StageRing ring(smem_b + size_t(stages) * Tile::kBBytes, stages);
   uint64_t* turn_barriers = ring.empty + stages;
 
