@@ -165,7 +165,7 @@ def test_small_shapes_for_sanitizer(flash_moe, seed, split, T, D, H, E, k, kind)
 def test_block_m_64(flash_moe, seed, split, block_n):
     generator = torch.Generator().manual_seed(seed)
     inputs = make_inputs(700, 512, 256, 16, 4, "zipf", generator)
-    check(flash_moe, inputs, split=split, block_m=64, block_n=block_n)
+    check(flash_moe, inputs, split=split, block_m=64, block_n=block_n, warp_n=0)
 
 
 @pytest.mark.parametrize(("block_m", "block_n"), [(64, 128), (64, 64), (128, 64), (128, 128)])
@@ -176,7 +176,7 @@ def test_tiles_and_partial_last_n_tile(flash_moe, seed, split, block_m, block_n)
     tiles in the upper half of a 128-row scale tile."""
     generator = torch.Generator().manual_seed(seed)
     inputs = make_inputs(300, 384, 384, 8, 4, "uniform", generator)
-    check(flash_moe, inputs, split=split, block_m=block_m, block_n=block_n)
+    check(flash_moe, inputs, split=split, block_m=block_m, block_n=block_n, warp_n=0)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
@@ -306,7 +306,10 @@ def test_opcheck(flash_moe, seed):
     torch.library.opcheck(
         torch.ops.prime_moe.fused_moe_mxfp8.default,
         args,
-        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+        # No test_schema: its mutation check runs arithmetic on every input, and
+        # float8_e4m3fn has no CUDA multiply. fused_moe_bf16's opcheck covers the schema
+        # pattern this op shares.
+        test_utils=("test_faketensor", "test_aot_dispatch_static"),
     )
 
 
