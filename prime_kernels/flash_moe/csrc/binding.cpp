@@ -86,6 +86,45 @@ std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_expert
   return {sorted_token_ids, expert_ids, num_tokens_post_padded};
 }
 
+// What both forward ops check alike once each tensor is what it should be: top_k, and w's,
+// w2's, out's, topk_weights' and num_tokens_post_padded's shapes against x's (T, D). out may
+// be null (moe_forward allocates its own).
+void check_forward_shapes(const char* op, const Tensor& x, const Tensor& w, const Tensor& w2,
+                          const Tensor& num_tokens_post_padded, const Tensor& topk_weights,
+                          const Tensor* out, const char* out_name, int64_t top_k) {
+  const int64_t T = x.size(0), D = x.size(1);
+  const int64_t E = w.size(0), H = w.size(1) / 2;
+  if (top_k < 1) fail(op, "top_k=", top_k, " must be at least 1");
+  if (w.size(1) % 2 != 0 || w.size(2) != D) {
+    fail(op, "argument 'w' must have shape (E, 2 * hidden_dim, dim) = (E, 2H, ", D,
+         ") with gate rows [0, H) and up rows [H, 2H), got ", shape_of(w));
+  }
+  check_shape(op, "w2", w2, {E, D, H}, "(E, dim, hidden_dim)");
+  if (out != nullptr) check_shape(op, out_name, *out, {T, D}, "(T, dim), like x");
+  check_shape(op, "topk_weights", topk_weights, {T, top_k}, "(T, top_k), read at t * top_k + j");
+  check_shape(op, "num_tokens_post_padded", num_tokens_post_padded, {1},
+              "(moe_align's padded total)");
+}
+
+// moe_align's layout as the forward ops take it: block_m and bpc as moe_align was given
+// them, sorted_token_ids and expert_ids of the lengths it returns. Returns max_padded.
+int64_t check_routing_layout(const char* op, const Tensor& sorted_token_ids,
+                             const Tensor& expert_ids, int64_t block_m, int64_t bpc) {
+  check_block_m_bpc(op, block_m, bpc);
+  const int64_t max_padded = sorted_token_ids.size(0);
+  if (max_padded % (block_m * bpc) != 0) {
+    fail(op, "argument 'sorted_token_ids' has length ", max_padded,
+         ", which is not a multiple of block_m * bpc = ", block_m * bpc,
+         "; pass moe_align's output for the same block_m and bpc");
+  }
+  if (expert_ids.size(0) != max_padded / block_m) {
+    fail(op, "argument 'expert_ids' must have length len(sorted_token_ids) / block_m = ",
+         max_padded / block_m, ", got ", expert_ids.size(0),
+         "; pass moe_align's output for the same block_m");
+  }
+  return max_padded;
+}
+
 // The forward's tensors (and `kept`, the backward's extra ones), checked in the order the
 // messages promise: what each tensor is, then the shapes (check_kept_shapes for `kept`, given
 // the problem), then where. Returns the launcher's problem.
@@ -110,16 +149,7 @@ FusedMoeBf16Problem forward_problem(
 
   const int64_t T = x.size(0), D = x.size(1);
   const int64_t E = w.size(0), H = w.size(1) / 2;
-  if (top_k < 1) fail(op, "top_k=", top_k, " must be at least 1");
-  if (w.size(1) % 2 != 0 || w.size(2) != D) {
-    fail(op, "argument 'w' must have shape (E, 2 * hidden_dim, dim) = (E, 2H, ", D,
-         ") with gate rows [0, H) and up rows [H, 2H), got ", shape_of(w));
-  }
-  check_shape(op, "w2", w2, {E, D, H}, "(E, dim, hidden_dim)");
-  if (out != nullptr) check_shape(op, out_name, *out, {T, D}, "(T, dim), like x");
-  check_shape(op, "topk_weights", topk_weights, {T, top_k}, "(T, top_k), read at t * top_k + j");
-  check_shape(op, "num_tokens_post_padded", num_tokens_post_padded, {1},
-              "(moe_align's padded total)");
+  check_forward_shapes(op, x, w, w2, num_tokens_post_padded, topk_weights, out, out_name, top_k);
   if (D % kDimMultiple != 0) {
     fail(op, "dim=", D, " (x.size(1)) must be a multiple of ", kDimMultiple,
          " (one 64-element K step of the gate/up GEMM)");
@@ -128,18 +158,7 @@ FusedMoeBf16Problem forward_problem(
     fail(op, "hidden_dim=", H, " (w.size(1) / 2) must be a multiple of ", kHiddenMultiple,
          " (one 64-element K step of the down GEMM)");
   }
-  check_block_m_bpc(op, block_m, bpc);
-  const int64_t max_padded = sorted_token_ids.size(0);
-  if (max_padded % (block_m * bpc) != 0) {
-    fail(op, "argument 'sorted_token_ids' has length ", max_padded,
-         ", which is not a multiple of block_m * bpc = ", block_m * bpc,
-         "; pass moe_align's output for the same block_m and bpc");
-  }
-  if (expert_ids.size(0) != max_padded / block_m) {
-    fail(op, "argument 'expert_ids' must have length len(sorted_token_ids) / block_m = ",
-         max_padded / block_m, ", got ", expert_ids.size(0),
-         "; pass moe_align's output for the same block_m");
-  }
+  const int64_t max_padded = check_routing_layout(op, sorted_token_ids, expert_ids, block_m, bpc);
   FusedMoeBf16Problem problem{};
   problem.x = static_cast<const __nv_bfloat16*>(x.const_data_ptr());
   problem.w = static_cast<const __nv_bfloat16*>(w.const_data_ptr());
@@ -263,16 +282,7 @@ void fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tenso
   check_tensors(op, tensors);
   const int64_t T = x.size(0), D = x.size(1);
   const int64_t E = w.size(0), H = w.size(1) / 2;
-  if (top_k < 1) fail(op, "top_k=", top_k, " must be at least 1");
-  if (w.size(1) % 2 != 0 || w.size(2) != D) {
-    fail(op, "argument 'w' must have shape (E, 2 * hidden_dim, dim) = (E, 2H, ", D,
-         ") with gate rows [0, H) and up rows [H, 2H), got ", shape_of(w));
-  }
-  check_shape(op, "w2", w2, {E, D, H}, "(E, dim, hidden_dim)");
-  check_shape(op, "out", out, {T, D}, "(T, dim), like x");
-  check_shape(op, "topk_weights", topk_weights, {T, top_k}, "(T, top_k), read at t * top_k + j");
-  check_shape(op, "num_tokens_post_padded", num_tokens_post_padded, {1},
-              "(moe_align's padded total)");
+  check_forward_shapes(op, x, w, w2, num_tokens_post_padded, topk_weights, &out, "out", top_k);
   if (D % kMxfp8DimMultiple != 0) {
     fail(op, "dim=", D, " (x.size(1)) must be a multiple of ", kMxfp8DimMultiple,
          " (the blocked scale layout: w2's rows in tiles of 128, w's D/32 scale columns in tiles "
@@ -291,18 +301,7 @@ void fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tenso
   check_mxfp8_scales(op, "w2_scales", w2_scales, E * D * (H / kMxfp8ScaleBlock),
                      "(E * dim * H/32: each expert's (dim, H/32) in pack_scales_blocked's "
                      "layout)");
-  check_block_m_bpc(op, block_m, bpc);
-  const int64_t max_padded = sorted_token_ids.size(0);
-  if (max_padded % (block_m * bpc) != 0) {
-    fail(op, "argument 'sorted_token_ids' has length ", max_padded,
-         ", which is not a multiple of block_m * bpc = ", block_m * bpc,
-         "; pass moe_align's output for the same block_m and bpc");
-  }
-  if (expert_ids.size(0) != max_padded / block_m) {
-    fail(op, "argument 'expert_ids' must have length len(sorted_token_ids) / block_m = ",
-         max_padded / block_m, ", got ", expert_ids.size(0),
-         "; pass moe_align's output for the same block_m");
-  }
+  const int64_t max_padded = check_routing_layout(op, sorted_token_ids, expert_ids, block_m, bpc);
   std::vector<TensorArg> all = tensors;
   all.push_back({"x_scales", x_scales, ScalarType::Byte, 2});
   all.push_back({"w_scales", w_scales, ScalarType::Byte, w_scales.dim()});
