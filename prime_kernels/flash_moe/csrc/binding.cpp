@@ -417,7 +417,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> moe_backward(
   problem.overwrite_z = overwrite_z;
   problem.pair_to_row = pair_to_row.const_data_ptr<int32_t>();
   problem.dx = need_dx ? static_cast<__nv_bfloat16*>(dx.mutable_data_ptr()) : nullptr;
-  problem.dw = nullptr;  // allocated once y1s's memory is released
+  problem.dw = nullptr;  // allocated once the first launch's scratch is released
   problem.need_dw = need_dw;
   problem.dw2 = need_dw2 ? static_cast<__nv_bfloat16*>(dw2.mutable_data_ptr()) : nullptr;
   problem.dtopk_weights = need_dtopk_weights ? dtopk_weights.mutable_data_ptr<float>() : nullptr;

@@ -115,9 +115,11 @@ Scratch carve_scratch(const MoeBackwardProblem& pr, void* base) {
 // of dW's launch, alive next to dW itself: in two column halves it takes half the memory,
 // each half a launch of its own, which reads dz a second time. That costs at most dW's own
 // write traffic (max_padded * 2H <= E * 2H * D) where it is done; at larger T (where every
-// gradient is small next to the activations) xs stays whole.
+// gradient is small next to the activations) xs stays whole. Each half is whole n tiles
+// of dW's tile, so halving adds no MMA work.
 int dw_column_chunk(const MoeBackwardProblem& pr) {
-  const bool halve = pr.dim % 128 == 0 && pr.max_padded <= pr.num_experts * pr.dim;
+  const bool halve =
+      pr.dim % (2 * WideTile::kBlockN) == 0 && pr.max_padded <= pr.num_experts * pr.dim;
   return int(halve ? pr.dim / 2 : pr.dim);
 }
 

@@ -34,8 +34,8 @@ struct MoeBackwardProblem {
   float* dtopk_weights;                   // (T * k,) or null
   bool need_dw = false;                   // dw is asked (launch_moe_backward_dw writes it)
   // dz into z's memory: dh reads a row's g, u and writes its dz at the same addresses (one
-  // quad of one warp: each store's data is computed from the loads of its own addresses),
-  // which saves the (max_padded, 2H) workspace. Only when z is
+  // quad of one warp, a __syncwarp between the row's loads and its stores), which saves the
+  // (max_padded, 2H) workspace. Only when z is
   // not read again (autograd does not keep the graph).
   bool overwrite_z = false;
   int64_t num_tokens, dim, hidden_dim, num_experts, top_k, max_padded, block_m;

@@ -16,8 +16,8 @@
 //                      backward dz = [dg | du], y1s = bf16(s h) and <dh', h> per pair
 //                      and n tile;
 //   StoreExpertTile    weight gradients: bf16 tile of expert e's (m_dim, n_dim) gradient.
-// (A shared-memory-staged TMA-store epilogue and the MXFP8 re-quantizing one are further
-// parts of this file's kind.)
+// (The MXFP8 re-quantizing SwiGLU is in mxfp8_epilogues.cuh; a shared-memory-staged
+// TMA-store epilogue would be a further part of this file's kind.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -86,9 +86,10 @@ struct SwiGluToH {
           const int f = 4 * (4 * a + t) + 2 * i;
           const float g0 = wgmma_acc_at(acc, f), g1 = wgmma_acc_at(acc, f + 1);
           const float u0 = wgmma_acc_at(acc, kHalf + f), u1 = wgmma_acc_at(acc, kHalf + f + 1);
-          // silu(g) = g / (1 + e^-g) with the approximate divide (2 ulp; h is rounded to
-          // bf16): the IEEE one is a subroutine, and this epilogue runs while the tensor
-          // cores wait.
+          // silu(g) = g / (1 + e^-g) with the approximate divide (2 ulp while 1 + e^-g <
+          // 2^126, i.e. g > -87; below, silu(g) = -0 where the IEEE divide gave ~-1e-36:
+          // nothing bf16 h tells apart): the IEEE one is a subroutine, and this epilogue
+          // runs while the tensor cores wait.
           h[t] = bf162_bits(__floats2bfloat162_rn(__fdividef(g0, 1.0f + __expf(-g0)) * u0,
                                                   __fdividef(g1, 1.0f + __expf(-g1)) * u1));
           if constexpr (kKeepZ) {
@@ -208,9 +209,9 @@ struct SwiGluBackward {
       __nv_bfloat16* y1s = p.y1s + row * size_t(H);
       // The row's g and u in the accumulators' own layout (bf16x2 at the accumulator's
       // columns: a quad reads 16 contiguous bytes, L1 merges the two halves of a sector),
-      // every load in flight at once: the compiler cannot tell z from dz, so a store between
-      // two loads would serialize them. The epilogue runs under the other warpgroup's
-      // mainloop only while it is shorter, so its instructions count: no transpose here.
+      // every load in flight at once (a store between two loads would serialize them). The epilogue
+      // runs under the other warpgroup's mainloop only while it is shorter, so its instructions
+      // count: no transpose here.
       uint32_t g[kGroups][4], u[kGroups][4];
 #pragma unroll
       for (int j = 0; j < kGroups * 4; ++j) {
@@ -219,6 +220,9 @@ struct SwiGluBackward {
         g[j / 4][j % 4] = live ? *reinterpret_cast<const uint32_t*>(z + col) : 0u;
         u[j / 4][j % 4] = live ? *reinterpret_cast<const uint32_t*>(z + H + col) : 0u;
       }
+      // With overwrite_z, dz's stores below hit the z words other lanes of the quad loaded:
+      // the barrier orders every lane's loads of the row before any lane's stores.
+      __syncwarp();
       float ds = 0.f;
 #pragma unroll
       for (int a = 0; a < kGroups; ++a) {
@@ -231,7 +235,8 @@ struct SwiGluBackward {
             const float2 uf = __bfloat1622float2(bit_cast_bf162(u[a][t]));
             const float d0 = wgmma_acc_at(acc, 4 * j + 2 * i);
             const float d1 = wgmma_acc_at(acc, 4 * j + 2 * i + 1);
-            // Approximate reciprocal (2 ulp): the results are rounded to bf16.
+            // Approximate reciprocal (2 ulp while g > -87, then 0 as sigmoid's tail is):
+            // the results are rounded to bf16.
             const float sig0 = __fdividef(1.0f, 1.0f + __expf(-gf.x));
             const float sig1 = __fdividef(1.0f, 1.0f + __expf(-gf.y));
             const float silu0 = gf.x * sig0, silu1 = gf.y * sig1;

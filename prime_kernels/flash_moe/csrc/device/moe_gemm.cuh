@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       mbarrier_init_fence();
     }
     if constexpr (ALoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_a);
-    if constexpr (BLoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_b);
+    if constexpr (BLoad::kTmaBytes > 0 || BLoad::kExtraSmemBytes > 0)  // staged by TMA too
+      tma_prefetch_descriptor(&tmap_b);
   }
   __syncthreads();
 
