@@ -44,7 +44,7 @@
 // starts its staging from scratch. Next: widen in registers instead (the weights as wgmma's
 // register A operand, out^T = w x^T, so fp8 is read once from shared memory and never written
 // back), more fp8 in flight at decode sizes (fewer bf16 stages, more slots), and the next tile's
-// first steps fetched during the current tile's last.
+// first steps fetched during the current tile's last (docs/flash_moe_mxfp8_design.md).
 #pragma once
 
 #include <cuda.h>
