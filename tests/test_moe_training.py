@@ -395,11 +395,96 @@ def test_no_tokens(flash_moe):
     assert (dw == 0).all() and (dw2 == 0).all()
 
 
-def test_mxfp8_is_not_implemented(flash_moe, seed):
-    inputs, _ = make_inputs(16, 256, 128, 4, 2, "uniform", seed)
+def run_moe_mxfp8(flash_moe, inputs, grad_out, needs=ALL):
+    """flash_moe.moe(mxfp8=True) forward and backward, as run_moe."""
+    ids = inputs[3]
+    lx, lw, lw2, ltw = leaves(inputs, needs)
+    poison_allocator()
+    out = flash_moe.moe(lx, lw, lw2, ids, ltw, mxfp8=True)
+    assert out.requires_grad == any(needs)
+    if any(needs):
+        poison_allocator()
+        out.backward(grad_out)
+    return out.detach(), [leaf.grad for leaf in (lx, lw, lw2, ltw)]
+
+
+@pytest.mark.parametrize(
+    ("T", "D", "H", "E", "k", "kind"),
+    [
+        (512, 256, 128, 4, 2, "softmax"),  # the consumer's shape and routing
+        (1000, 512, 256, 16, 4, "dropped"),
+        (300, 256, 128, 16, 16, "uniform"),
+    ],
+)
+def test_mxfp8_forward_and_gradients(flash_moe, seed, T, D, H, E, k, kind):
+    """moe(mxfp8=True): out is fused_moe_mxfp8's on x, w and w2 quantized as the consumer
+    quantizes them (RCEIL, weights' scales blocked), bit for bit; the gradients are the bf16
+    layer's at the unquantized inputs, bit for bit those of moe(mxfp8=False), and a frozen
+    input gets none."""
+    inputs, grad_out = make_inputs(T, D, H, E, k, kind, seed)
     x, w, w2, ids, weights = inputs
-    with pytest.raises((NotImplementedError, RuntimeError), match="fused_moe_mxfp8"):
+    out, grads = run_moe_mxfp8(flash_moe, inputs, grad_out)
+
+    xq, xs = flash_moe.quantize_mxfp8(x)
+    wq, ws = flash_moe.quantize_mxfp8(w, blocked=True)
+    w2q, w2s = flash_moe.quantize_mxfp8(w2, blocked=True)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, E)
+    want = torch.full_like(x, float("nan"))
+    flash_moe.fused_moe_mxfp8(
+        xq, xs, wq, ws, w2q, w2s, sorted_ids, expert_ids, total, weights, want, k, split=True
+    )
+    assert torch.equal(out, want), "moe(mxfp8=True) is not fused_moe_mxfp8 on its quantized inputs"
+
+    _, bf16_grads = run_moe(flash_moe, inputs, grad_out)
+    for name, a, b in zip(GRAD_NAMES, grads, bf16_grads):
+        assert a is not None and torch.equal(a, b), f"{name} differs from the bf16 backward's"
+
+    frozen = (True, False, False, True)
+    _, some = run_moe_mxfp8(flash_moe, inputs, grad_out, frozen)
+    for name, need, a, b in zip(GRAD_NAMES, frozen, some, bf16_grads):
+        assert (a is None) != need, f"{name}: requires_grad={need}, got {a is not None}"
+        if need:
+            assert torch.equal(a, b), f"{name} differs with w, w2 frozen"
+
+
+def test_mxfp8_shape_rules(flash_moe, seed):
+    """A layer unsupported_shape_reason(mxfp8=True) refuses is refused by moe(mxfp8=True),
+    naming the dimension."""
+    assert flash_moe.unsupported_shape_reason(192, 128, mxfp8=True) is not None
+    inputs, _ = make_inputs(16, 192, 128, 4, 2, "uniform", seed)
+    x, w, w2, ids, weights = inputs
+    with pytest.raises((ValueError, RuntimeError), match="dim=192"):
         flash_moe.moe(x, w, w2, ids, weights, mxfp8=True)
+
+
+def test_opcheck_moe_forward_mxfp8(flash_moe, seed):
+    """opcheck of moe_forward_mxfp8: schema, autograd registration and fake kernel."""
+    inputs, _ = make_inputs(100, 256, 128, 4, 2, "uniform", seed)
+    x, w, w2, ids, weights = inputs
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 4)
+    x, w, w2, weights = (t.detach().requires_grad_() for t in (x, w, w2, weights))
+    args = (x, w, w2, sorted_ids, expert_ids, total, weights, 2)
+    torch.library.opcheck(
+        torch.ops.prime_moe.moe_forward_mxfp8.default, args, test_utils=FORWARD_UTILS
+    )
+
+
+def test_torch_compile_fullgraph_mxfp8(flash_moe, seed):
+    """torch.compile(fullgraph=True) of moe(mxfp8=True) plus a loss: eager's gradients."""
+    torch._dynamo.reset()
+    inputs, _ = make_inputs(256, 256, 128, 8, 2, "softmax", seed)
+    g = torch.randn(256, 256, device="cuda")
+
+    def loss(x, w, w2, ids, weights, g):
+        return (flash_moe.moe(x, w, w2, ids, weights, mxfp8=True).float() * g).sum()
+
+    eager_loss, eager_grads = loss_and_grads(loss, inputs, g)
+    compiled = torch.compile(loss, fullgraph=True)
+    got_loss, grads = loss_and_grads(compiled, inputs, g)
+    assert math.isclose(got_loss, eager_loss, rel_tol=1e-4, abs_tol=1e-4)
+    for name, a, b in zip(GRAD_NAMES, grads, eager_grads):
+        assert a is not None and torch.equal(a, b), f"{name} differs from eager"
+    torch._dynamo.reset()
 
 
 # Not test_aot_dispatch_dynamic: it compares every output of an eager and a compiled call,

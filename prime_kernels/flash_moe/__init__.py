@@ -300,15 +300,16 @@ def moe(
     compute only the gradients of inputs that require them, bitwise repeatably. The shapes it
     takes are those :func:`unsupported_shape_reason` accepts.
 
-    ``mxfp8=True`` (a :func:`fused_moe_mxfp8` forward with a bf16 backward) is not wired into
-    training yet: it raises NotImplementedError."""
-    if mxfp8:
-        raise NotImplementedError(
-            "flash_moe.moe(mxfp8=True) (a fused_moe_mxfp8 forward with a bf16 backward) is not "
-            "implemented for training yet; call fused_moe_mxfp8 for the MXFP8 forward, or use "
-            "mxfp8=False (bf16)"
-        )
+    ``mxfp8=True``: the forward quantizes x, w and w2 as a consumer of :func:`fused_moe_mxfp8`
+    does (per 32 along each GEMM's reduction dim, RCEIL scales) and runs it, keeping nothing;
+    the backward runs the bf16 training forward again for what it needs and returns the bf16
+    layer's gradients at the unquantized weights (the straight-through MXFP8 backward). Its
+    shapes are those of ``unsupported_shape_reason(..., mxfp8=True)``."""
     sorted_ids, expert_ids, total = moe_align(topk_ids, w.shape[0], BLOCK_M)
+    if mxfp8:
+        return torch.ops.prime_moe.moe_forward_mxfp8(
+            x, w, w2, sorted_ids, expert_ids, total, topk_weights, topk_ids.shape[1]
+        )
     out, _, _ = torch.ops.prime_moe.moe_forward(
         x, w, w2, sorted_ids, expert_ids, total, topk_weights, topk_ids.shape[1]
     )
@@ -402,6 +403,12 @@ if EXTENSION_BUILT:
             sorted_token_ids.new_empty((T * top_k,)),
         )
 
+    @torch.library.register_fake("prime_moe::moe_forward_mxfp8")
+    def _moe_forward_mxfp8_fake(
+        x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k
+    ):
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake("prime_moe::moe_backward")
     def _moe_backward_fake(
         grad_out,
@@ -440,16 +447,12 @@ if EXTENSION_BUILT:
         ctx.save_for_backward(x, w, w2, sorted_ids, expert_ids, total, topk_weights, z, pair_to_row)
         ctx.top_k = top_k
 
-    def _moe_forward_backward(ctx, grad_out, _grad_z, _grad_pair_to_row):
+    def _gradients(ctx, grad_out, inputs, z, pair_to_row, overwrite_z):
+        """moe_backward's gradients for moe_forward's (or moe_forward_mxfp8's) inputs, None for
+        every input that needs none."""
         need = ctx.needs_input_grad
         need_dx, need_dw, need_dw2, need_dtw = need[0], need[1], need[2], need[6]
-        if grad_out is None or not (need_dx or need_dw or need_dw2 or need_dtw):
-            return None, None, None, None, None, None, None, None
-        x, w, w2, sorted_ids, expert_ids, total, topk_weights, z, pair_to_row = ctx.saved_tensors
-        # Unless the graph is kept for another backward (retain_graph=True, or no running
-        # backward at all: tracing), z is not read again, so dz takes its memory: the largest
-        # buffer this backward would otherwise allocate.
-        overwrite_z = not torch._C._autograd._get_current_graph_task_keep_graph()
+        x, w, w2, sorted_ids, expert_ids, total, topk_weights = inputs
         dx, dw, dw2, dtw = torch.ops.prime_moe.moe_backward(
             grad_out.contiguous(),
             x,
@@ -479,10 +482,45 @@ if EXTENSION_BUILT:
             None,
         )
 
+    def _needs_none(ctx, grad_out):
+        need = ctx.needs_input_grad
+        return grad_out is None or not (need[0] or need[1] or need[2] or need[6])
+
+    def _moe_forward_backward(ctx, grad_out, _grad_z, _grad_pair_to_row):
+        if _needs_none(ctx, grad_out):
+            return None, None, None, None, None, None, None, None
+        *inputs, z, pair_to_row = ctx.saved_tensors
+        # Unless the graph is kept for another backward (retain_graph=True, or no running
+        # backward at all: tracing), z is not read again, so dz takes its memory: the largest
+        # buffer this backward would otherwise allocate.
+        overwrite_z = not torch._C._autograd._get_current_graph_task_keep_graph()
+        return _gradients(ctx, grad_out, inputs, z, pair_to_row, overwrite_z)
+
     torch.library.register_autograd(
         "prime_moe::moe_forward",
         _moe_forward_backward,
         setup_context=_moe_forward_setup_context,
+    )
+
+    def _moe_forward_mxfp8_setup_context(ctx, inputs, output):
+        x, w, w2, sorted_ids, expert_ids, total, topk_weights, top_k = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, w, w2, sorted_ids, expert_ids, total, topk_weights)
+        ctx.top_k = top_k
+
+    def _moe_forward_mxfp8_backward(ctx, grad_out):
+        if _needs_none(ctx, grad_out):
+            return None, None, None, None, None, None, None, None
+        inputs = ctx.saved_tensors
+        # What the bf16 backward reads, from the bf16 forward at the unquantized inputs: its
+        # z is this backward's own, so dz takes its memory.
+        _, z, pair_to_row = torch.ops.prime_moe.moe_forward(*inputs, ctx.top_k)
+        return _gradients(ctx, grad_out, inputs, z, pair_to_row, True)
+
+    torch.library.register_autograd(
+        "prime_moe::moe_forward_mxfp8",
+        _moe_forward_mxfp8_backward,
+        setup_context=_moe_forward_mxfp8_setup_context,
     )
 
 

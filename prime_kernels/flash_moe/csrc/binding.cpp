@@ -505,6 +505,38 @@ std::tuple<Tensor, Tensor> quantize_mxfp8(Tensor x, bool rceil, bool blocked) {
   return {values, scales};
 }
 
+// The MXFP8 training forward (flash_moe.moe(mxfp8=True)): x, w and w2 quantized as the
+// consumer quantizes them (per 32 along each GEMM's K, RCEIL scales, the weights' scales
+// blocked), then fused_moe_mxfp8's deterministic split path into a new out. Nothing is kept:
+// the backward (registered in Python) runs moe_forward in bf16 again for what moe_backward
+// reads, and so differentiates the bf16 layer at the unquantized weights, as the consumer's
+// MXFP8 backward does.
+Tensor moe_forward_mxfp8(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids,
+                         Tensor num_tokens_post_padded, Tensor topk_weights, int64_t top_k) {
+  constexpr const char* op = "moe_forward_mxfp8";
+  const FusedMoeBf16Problem problem =
+      forward_problem(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                      topk_weights, nullptr, nullptr, top_k, kBlockM, 1);
+  if (problem.dim % kMxfp8DimMultiple != 0) {
+    fail(op, "dim=", problem.dim, " (x.size(1)) must be a multiple of ", kMxfp8DimMultiple,
+         " for MXFP8 (the blocked scale layout's tiles)");
+  }
+  if (problem.hidden_dim % kMxfp8HiddenMultiple != 0) {
+    fail(op, "hidden_dim=", problem.hidden_dim, " (w.size(1) / 2) must be a multiple of ",
+         kMxfp8HiddenMultiple, " for MXFP8 (the blocked scale layout's tiles)");
+  }
+  torch::stable::accelerator::DeviceGuard guard(problem.device);
+  Tensor out = torch::stable::new_empty(x, {problem.num_tokens, problem.dim});
+  if (problem.num_tokens == 0) return out;  // nothing to quantize or write
+  auto [x_values, x_scales] = quantize_mxfp8(x, true, false);
+  auto [w_values, w_scales] = quantize_mxfp8(w, true, true);
+  auto [w2_values, w2_scales] = quantize_mxfp8(w2, true, true);
+  fused_moe_mxfp8(x_values, x_scales, w_values, w_scales, w2_values, w2_scales, sorted_token_ids,
+                  expert_ids, num_tokens_post_padded, topk_weights, out, top_k, kBlockM, 0, 0, 0, 1,
+                  true);
+  return out;
+}
+
 // What both directions of the blocked scale layout check: `t` holds the bytes of e8m0 scales,
 // contiguous, and its (..., MN, K/32) scales are whole tiles of 128 rows x 4 scale columns (mn
 // and kb as the caller reads them from t's shape, which mn_is and kb_is spell out).
@@ -607,6 +639,10 @@ STABLE_TORCH_LIBRARY(prime_moe, m) {
       "Tensor(a!) out, int top_k, int block_m=128, int block_n=0, int warp_n=0, "
       "int stages=0, int bpc=1, int cpc=0, bool split=True) -> ()");
   m.def(
+      "moe_forward_mxfp8(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, "
+      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k) -> "
+      "Tensor");
+  m.def(
       "fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, "
       "Tensor w2_scales, Tensor sorted_token_ids, Tensor expert_ids, "
       "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, "
@@ -634,6 +670,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_moe, CUDA, m) {
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
   m.impl("fused_moe_mxfp8", TORCH_BOX(&prime_moe::fused_moe_mxfp8));
   m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
+  m.impl("moe_forward_mxfp8", TORCH_BOX(&prime_moe::moe_forward_mxfp8));
   m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
   m.impl("quantize_mxfp8", TORCH_BOX(&prime_moe::quantize_mxfp8));
   m.impl("pack_scales_blocked", TORCH_BOX(&prime_moe::pack_scales_blocked));
@@ -647,6 +684,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_moe, CPU, m) {
   m.impl("fused_moe_bf16", TORCH_BOX(&prime_moe::fused_moe_bf16));
   m.impl("fused_moe_mxfp8", TORCH_BOX(&prime_moe::fused_moe_mxfp8));
   m.impl("moe_forward", TORCH_BOX(&prime_moe::moe_forward));
+  m.impl("moe_forward_mxfp8", TORCH_BOX(&prime_moe::moe_forward_mxfp8));
   m.impl("moe_backward", TORCH_BOX(&prime_moe::moe_backward));
   m.impl("quantize_mxfp8", TORCH_BOX(&prime_moe::quantize_mxfp8));
   m.impl("pack_scales_blocked", TORCH_BOX(&prime_moe::pack_scales_blocked));
