@@ -90,14 +90,14 @@ def leaves(inputs, needs):
     return [t.detach().clone().requires_grad_(n) for t, n in zip((x, w, w2, weights), needs)]
 
 
-def run_moe(flash_moe, inputs, grad_out, needs=ALL, *, poison=True):
+def run_moe(flash_moe, inputs, grad_out, needs=ALL, *, poison=True, mxfp8=False):
     """flash_moe.moe forward and backward: (out, [dx, dw, dw2, dtopk_weights]), a gradient
     None where its input does not require grad (or nothing does)."""
     ids = inputs[3]
     lx, lw, lw2, ltw = leaves(inputs, needs)
     if poison:
         poison_allocator()
-    out = flash_moe.moe(lx, lw, lw2, ids, ltw)
+    out = flash_moe.moe(lx, lw, lw2, ids, ltw, mxfp8=mxfp8)
     assert out.requires_grad == any(needs)
     if any(needs):
         if poison:
@@ -395,19 +395,6 @@ def test_no_tokens(flash_moe):
     assert (dw == 0).all() and (dw2 == 0).all()
 
 
-def run_moe_mxfp8(flash_moe, inputs, grad_out, needs=ALL):
-    """flash_moe.moe(mxfp8=True) forward and backward, as run_moe."""
-    ids = inputs[3]
-    lx, lw, lw2, ltw = leaves(inputs, needs)
-    poison_allocator()
-    out = flash_moe.moe(lx, lw, lw2, ids, ltw, mxfp8=True)
-    assert out.requires_grad == any(needs)
-    if any(needs):
-        poison_allocator()
-        out.backward(grad_out)
-    return out.detach(), [leaf.grad for leaf in (lx, lw, lw2, ltw)]
-
-
 @pytest.mark.parametrize(
     ("T", "D", "H", "E", "k", "kind"),
     [
@@ -423,7 +410,7 @@ def test_mxfp8_forward_and_gradients(flash_moe, seed, T, D, H, E, k, kind):
     input gets none."""
     inputs, grad_out = make_inputs(T, D, H, E, k, kind, seed)
     x, w, w2, ids, weights = inputs
-    out, grads = run_moe_mxfp8(flash_moe, inputs, grad_out)
+    out, grads = run_moe(flash_moe, inputs, grad_out, mxfp8=True)
 
     xq, xs = flash_moe.quantize_mxfp8(x)
     wq, ws = flash_moe.quantize_mxfp8(w, blocked=True)
@@ -440,7 +427,7 @@ def test_mxfp8_forward_and_gradients(flash_moe, seed, T, D, H, E, k, kind):
         assert a is not None and torch.equal(a, b), f"{name} differs from the bf16 backward's"
 
     frozen = (True, False, False, True)
-    _, some = run_moe_mxfp8(flash_moe, inputs, grad_out, frozen)
+    _, some = run_moe(flash_moe, inputs, grad_out, frozen, mxfp8=True)
     for name, need, a, b in zip(GRAD_NAMES, frozen, some, bf16_grads):
         assert (a is None) != need, f"{name}: requires_grad={need}, got {a is not None}"
         if need:

@@ -125,6 +125,28 @@ int64_t check_routing_layout(const char* op, const Tensor& sorted_token_ids,
   return max_padded;
 }
 
+// Tuning values are small ints on the device side: refuse what would not survive the cast.
+void check_tuning_ranges(const char* op,
+                         std::initializer_list<std::pair<const char*, int64_t>> values) {
+  for (const auto& [name, value] : values) {
+    if (value < 0 || value > 1024) fail(op, name, "=", value, " must be in [0, 1024]");
+  }
+}
+
+// The MXFP8 kernels' own rules on D and H (beyond bf16's): the blocked scale layout's tiles.
+void check_mxfp8_dims(const char* op, int64_t D, int64_t H) {
+  if (D % kMxfp8DimMultiple != 0) {
+    fail(op, "dim=", D, " (x.size(1)) must be a multiple of ", kMxfp8DimMultiple,
+         " (the blocked scale layout: w2's rows in tiles of 128, w's D/32 scale columns in tiles "
+         "of 4)");
+  }
+  if (H % kMxfp8HiddenMultiple != 0) {
+    fail(op, "hidden_dim=", H, " (w.size(1) / 2) must be a multiple of ", kMxfp8HiddenMultiple,
+         " (the blocked scale layout: w's up rows start a 128-row tile, w2's H/32 scale "
+         "columns come in tiles of 4)");
+  }
+}
+
 // The forward's tensors (and `kept`, the backward's extra ones), checked in the order the
 // messages promise: what each tensor is, then the shapes (check_kept_shapes for `kept`, given
 // the problem), then where. Returns the launcher's problem.
@@ -206,13 +228,8 @@ void fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tens
                     int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
                     int64_t cpc, bool split) {
   constexpr const char* op = "fused_moe_bf16";
-  // Tuning values are small ints on the device side: refuse what would not survive the cast.
-  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"block_n", block_n},
-                                    {"warp_n", warp_n},
-                                    {"stages", stages},
-                                    {"cpc", cpc}}) {
-    if (value < 0 || value > 1024) fail(op, name, "=", value, " must be in [0, 1024]");
-  }
+  check_tuning_ranges(op,
+                      {{"block_n", block_n}, {"warp_n", warp_n}, {"stages", stages}, {"cpc", cpc}});
   const FusedMoeBf16Problem problem =
       forward_problem(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                       topk_weights, &out, "out", top_k, block_m, bpc);
@@ -265,11 +282,7 @@ void fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tenso
                      int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
                      bool split) {
   constexpr const char* op = "fused_moe_mxfp8";
-  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"block_n", block_n},
-                                    {"warp_n", warp_n},
-                                    {"stages", stages}}) {
-    if (value < 0 || value > 1024) fail(op, name, "=", value, " must be in [0, 1024]");
-  }
+  check_tuning_ranges(op, {{"block_n", block_n}, {"warp_n", warp_n}, {"stages", stages}});
   const std::vector<TensorArg> tensors = {
       {"x", x, ScalarType::Float8_e4m3fn, 2},
       {"w", w, ScalarType::Float8_e4m3fn, 3},
@@ -283,16 +296,7 @@ void fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tenso
   const int64_t T = x.size(0), D = x.size(1);
   const int64_t E = w.size(0), H = w.size(1) / 2;
   check_forward_shapes(op, x, w, w2, num_tokens_post_padded, topk_weights, &out, "out", top_k);
-  if (D % kMxfp8DimMultiple != 0) {
-    fail(op, "dim=", D, " (x.size(1)) must be a multiple of ", kMxfp8DimMultiple,
-         " (the blocked scale layout: w2's rows in tiles of 128, w's D/32 scale columns in tiles "
-         "of 4)");
-  }
-  if (H % kMxfp8HiddenMultiple != 0) {
-    fail(op, "hidden_dim=", H, " (w.size(1) / 2) must be a multiple of ", kMxfp8HiddenMultiple,
-         " (the blocked scale layout: w's up rows start a 128-row tile, w2's H/32 scale "
-         "columns come in tiles of 4)");
-  }
+  check_mxfp8_dims(op, D, H);
   check_mxfp8_scales(op, "x_scales", x_scales, T * (D / kMxfp8ScaleBlock),
                      "(T, dim / 32), row-major", {T, D / kMxfp8ScaleBlock});
   check_mxfp8_scales(op, "w_scales", w_scales, E * 2 * H * (D / kMxfp8ScaleBlock),
@@ -517,14 +521,7 @@ Tensor moe_forward_mxfp8(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids,
   const FusedMoeBf16Problem problem =
       forward_problem(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                       topk_weights, nullptr, nullptr, top_k, kBlockM, 1);
-  if (problem.dim % kMxfp8DimMultiple != 0) {
-    fail(op, "dim=", problem.dim, " (x.size(1)) must be a multiple of ", kMxfp8DimMultiple,
-         " for MXFP8 (the blocked scale layout's tiles)");
-  }
-  if (problem.hidden_dim % kMxfp8HiddenMultiple != 0) {
-    fail(op, "hidden_dim=", problem.hidden_dim, " (w.size(1) / 2) must be a multiple of ",
-         kMxfp8HiddenMultiple, " for MXFP8 (the blocked scale layout's tiles)");
-  }
+  check_mxfp8_dims(op, problem.dim, problem.hidden_dim);
   torch::stable::accelerator::DeviceGuard guard(problem.device);
   Tensor out = torch::stable::new_empty(x, {problem.num_tokens, problem.dim});
   if (problem.num_tokens == 0) return out;  // nothing to quantize or write
