@@ -5,7 +5,7 @@ PYTHONPATH first)::
 
     python benchmarks/flash_moe.py [--quick] [--configs qwen3,...] [--tokens 64,1024,...]
                                    [--results benchmarks/RESULTS.md] [--training]
-                                   [--zipf qwen3:32768,...]
+                                   [--zipf qwen3:32768,...] [--no-mxfp8]
 
 Times, with CUDA events (triton.testing.do_bench, median, L2 flushed before each call),
 the median over ``--rounds`` interleaved rounds per shape:
@@ -13,8 +13,16 @@ the median over ``--rounds`` interleaved rounds per shape:
 - by default, the whole forward a user pays (no autograd): ours = moe_align +
   fused_moe_bf16 (split=True, and split=False with the zeroing of out), the grouped-mm
   expert path (reference.py), Liger-Kernel's Triton fused MoE and SonicMoE (inference
-  mode); each output checked against grouped-mm's. Section ``forward``, raw numbers in
-  benchmarks/results/flash_moe.json.
+  mode); each output checked against grouped-mm's. With them, where
+  ``unsupported_shape_reason(D, H, mxfp8=True)`` is None (``--no-mxfp8``: not at all), ours
+  in MXFP8: ``ours-mxfp8`` = moe_align + fused_moe_mxfp8 (split=True) on x, w and w2
+  quantized as the consumer quantizes them (RCEIL, weight scales blocked) once, outside the
+  timing, with the bytes it moves against the copy rate; ``ours-mxfp8+quant`` = the same
+  with the quantizers of x, w and w2 in every call (a trainer's forward pays them each
+  step); both against our bf16 forward (split=True) as well as the peers. And quantize_mxfp8
+  (RCEIL) alone in GB/s (bytes read + written) against the copy rate: each config's x (T, D)
+  at its largest T, w and w2 (blocked scales), and x (32768, 7168). Section ``forward``, raw
+  numbers in benchmarks/results/flash_moe.json.
 - with ``--training`` (alias ``--backward``), the step a trainer runs, at T in {8192,
   32768} for the five configs by default, for ours (``flash_moe.moe``), autograd of the
   grouped-mm path, Liger and SonicMoE (training mode), in the same sitting: x, w, w2 and
@@ -35,7 +43,8 @@ also split by mode), $OUT/RESULTS.md and the results JSON (the updated files, to
 and $OUT/flash_moe_sections.md (this run's sections alone, for ``--merge`` on another
 checkout). ``--self-test`` runs the whole pipeline on CPU at a toy shape, the forward run
 and then the training run (only the latter with ``--training``), writing into a temporary
-directory, and checks what they wrote.
+directory, and checks what they wrote; grouped-mm stands in for ours, and mxfp8.py's
+quantizer with the exact-MX emulation for ours in MXFP8.
 
 This file holds the workloads; benchmarks/harness.py times, tabulates and writes them, and
 benchmarks/peers.py holds the implementations.
@@ -96,7 +105,17 @@ WEIGHT_READ_MAX_T = 1024
 PEERS = ("grouped-mm", "liger", "sonic")
 PEER_PACKAGES = ("liger-kernel", "sonic-moe", "quack-kernels", "nvidia-cutlass-dsl")
 ERR_FLAG = 2e-2  # relative error vs grouped-mm above which a row is flagged
-SELF_TEST_CONFIGS = {"toy": ("toy", 128, 64, 8, 2)}
+# the MXFP8 rows' flag: the contract's bar against grouped-mm (quantizing the inputs alone
+# costs several percent)
+MXFP8_ERR_FLAG = 1e-1
+MXFP8_IMPLS = (peers.MXFP8, peers.MXFP8_QUANT)
+BF16 = "ours split=True"  # what the MXFP8 rows are compared with: fused_moe_mxfp8 splits too
+QUANTIZE = "quantize"  # the mode of the quantizers' rows
+QUANTIZE_BAR = (32768, 7168)  # the x shape of the quantizer's bar: >= 75% of the copy rate
+QUANTIZE_BAR_FRAC = 0.75
+SELF_TEST_QUANTIZE_BAR = (32, 256)  # no config's x: the bar's own row runs too
+# H a multiple of 128, so that the MXFP8 rows run
+SELF_TEST_CONFIGS = {"toy": ("toy", 128, 128, 8, 2)}
 SELF_TEST_TOKENS = (16, 64)
 SELF_TEST_ZIPF_CONFIG = "toy"
 # (default, --quick)
@@ -185,6 +204,15 @@ def parse_args(argv=None):
     )
     p.add_argument("--no-ours", action="store_true", help="time the peers only")
     p.add_argument(
+        "--mxfp8",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="in the forward run (not with --training or --no-ours), also time ours in MXFP8 "
+        f"where the shape allows it: {peers.MXFP8} (inputs quantized outside the timing), "
+        f"{peers.MXFP8_QUANT} (quantizing x, w and w2 in every call) and quantize_mxfp8 "
+        "alone in GB/s (default: on)",
+    )
+    p.add_argument(
         "--tune-peers",
         action="store_true",
         help="let Liger (Triton autotune, 32 configs per kernel) and SonicMoE "
@@ -194,7 +222,8 @@ def parse_args(argv=None):
         "--self-test",
         action="store_true",
         help="CPU dry run at a toy shape into a temporary directory, the forward run and then "
-        "the training run (only the latter with --training); grouped-mm stands in for ours",
+        "the training run (only the latter with --training); grouped-mm stands in for ours, "
+        "mxfp8.py's quantizer and the exact-MX emulation for ours in MXFP8",
     )
     args = p.parse_args(argv)
     if args.self_test:
@@ -231,6 +260,7 @@ def parse_args(argv=None):
         if name not in PEERS:
             p.error(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
     args.peer_list = peer_names
+    args.mxfp8 = args.mxfp8 and not (args.training or args.no_ours)
     harness.finish_run_args(
         args,
         OP,
@@ -268,11 +298,16 @@ def softmax_topk_routing(T, E, k, generator, device):
     return ids.to(torch.int32), (wts / wts.sum(-1, keepdim=True)).float()
 
 
-def make_inputs(T, D, E, k, gen, device, routing=None):
-    """x (T, D) bf16 and the routing: ids (T, k) int32, weights (T, k) fp32."""
+def make_x(T, D, gen, device):
+    """x (T, D) bf16."""
     import torch
 
-    x = (torch.randn(T, D, generator=gen, device=device) * 0.2).to(torch.bfloat16)
+    return (torch.randn(T, D, generator=gen, device=device) * 0.2).to(torch.bfloat16)
+
+
+def make_inputs(T, D, E, k, gen, device, routing=None):
+    """x (T, D) bf16 and the routing: ids (T, k) int32, weights (T, k) fp32."""
+    x = make_x(T, D, gen, device)
     ids, wts = (routing or softmax_topk_routing)(T, E, k, generator=gen, device=device)
     return x, ids, wts
 
@@ -311,20 +346,60 @@ def expert_load(ids, E):
     }
 
 
-def rates(ceilings, flops, wbytes=None):
-    """derive() for Session.time_shape: TFLOP/s and the fraction of the dense GEMM, and
-    with ``wbytes`` the weight bytes read per second and the fraction of the copy rate."""
+def mxfp8_bytes(T, D, H, e_active):
+    """Bytes one MXFP8 forward must move: the routed experts' e4m3 weights (w and w2) and
+    their scales, x's values and scales, and out (bf16)."""
+    weights = e_active * 3 * H * D
+    return weights + weights // 32 + T * D + T * D // 32 + 2 * T * D
+
+
+def quantized_bytes(numel):
+    """Bytes quantize_mxfp8 of ``numel`` elements reads and writes: bf16 in, e4m3 values
+    and one e8m0 scale per 32 out."""
+    return numel * 2 + numel + numel // 32
+
+
+def rates(ceilings, flops, wbytes=None, mx_bytes=None):
+    """derive() for Session.time_shape: TFLOP/s and the fraction of the dense GEMM, and the
+    bytes a row moves per second with the fraction of the copy rate: ``wbytes`` (the weights
+    read, bf16) for every row but the MXFP8 ones, ``mx_bytes`` for ours-mxfp8, none for
+    ours-mxfp8+quant (its quantizers read every expert's weights: no bar)."""
+    moved = {peers.MXFP8: ("mxfp8_gbps", mx_bytes), peers.MXFP8_QUANT: (None, None)}
 
     def derive(row):
         s = row["ms"] * 1e-3
         out = {"tflops": flops / s / 1e12}
         out["frac_dense"] = out["tflops"] / ceilings["gemm_tflops"]
-        if wbytes is not None:
-            out["weight_gbps"] = wbytes / s / 1e9
-            out["frac_copy"] = out["weight_gbps"] / ceilings["copy_gbps"]
+        key, nbytes = moved.get(row["impl"], ("weight_gbps", wbytes))
+        if nbytes is not None:
+            out[key] = nbytes / s / 1e9
+            out["frac_copy"] = out[key] / ceilings["copy_gbps"]
         return out
 
     return derive
+
+
+def quantize_rates(ceilings, numel):
+    """derive() of a quantizer's row: bytes read + written per second, and over the copy
+    rate (which counts the same way)."""
+    nbytes = quantized_bytes(numel)
+
+    def derive(row):
+        gbps = nbytes / (row["ms"] * 1e-3) / 1e9
+        return {"gbps": gbps, "frac_copy": gbps / ceilings["copy_gbps"]}
+
+    return derive
+
+
+def compare_with_bf16(shape_rows):
+    """Adds our bf16 forward to the MXFP8 rows' speedups: add_speedups compares none of our
+    variants with another, and MXFP8 against bf16 is what these rows are for."""
+    bf16 = next((r for r in shape_rows if r["impl"] == BF16), None)
+    if bf16 is None:
+        return
+    for r in shape_rows:
+        if r["impl"] in MXFP8_IMPLS and r["ms"] > 0:
+            r["speedup"][BF16] = bf16["ms"] / r["ms"]
 
 
 def load_impls(args, device, session):
@@ -334,6 +409,8 @@ def load_impls(args, device, session):
     if not args.no_ours:
         if args.self_test:
             impls += [SelfTestOurs(True), SelfTestOurs(False)]
+            if args.mxfp8:
+                impls += [SelfTestMxfp8(False), SelfTestMxfp8(True)]
         else:
             try:
                 import prime_kernels
@@ -342,10 +419,13 @@ def load_impls(args, device, session):
                 if reason is None:
                     fm = prime_kernels.load("flash_moe")
                     impls += [peers.Ours(fm, True), peers.Ours(fm, False)]
-                else:
-                    session.skip("ours", reason)
+                    if args.mxfp8:
+                        impls += [peers.OursMxfp8(fm, False), peers.OursMxfp8(fm, True)]
             except Exception as exc:
-                session.skip("ours", f"prime_kernels not importable ({harness.first_line(exc)})")
+                reason = f"prime_kernels not importable ({harness.first_line(exc)})"
+            if reason is not None:
+                for name in ("ours", *(MXFP8_IMPLS if args.mxfp8 else ())):
+                    session.skip(name, reason)
     impls.append(peers.GroupedMM())  # always: the reference
     if not args.tune_peers:
         os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
@@ -389,11 +469,55 @@ class SelfTestOurs(peers.Impl):
         return lambda x, w, w2, topk_weights: ref(x, w, w2, topk_ids, topk_weights)
 
 
+class SelfTestMxfp8(peers.OursMxfp8):
+    """CPU stand-in for ours' MXFP8 rows: mxfp8.py's quantizer, the weights' scales packed as
+    the op takes them, and the exact-MX emulation (which reads them unpacked) for the op."""
+
+    def __init__(self, quantize_each_call):
+        from prime_kernels import flash_moe
+        from prime_kernels.flash_moe import mxfp8, reference
+
+        super().__init__(flash_moe, quantize_each_call)
+        self.mxfp8 = mxfp8
+        self.emulation = reference.moe_mxfp8_emulation
+
+    def settings(self):
+        return {
+            **super().settings(),
+            "stand-in": "mxfp8.quantize_mxfp8, reference.moe_mxfp8_emulation",
+        }
+
+    def quantize(self, t, blocked):
+        values, scales = self.mxfp8.quantize_mxfp8(t)
+        return values, (self.fm.pack_scales_blocked(scales) if blocked else scales)
+
+    def run(self, xq, xs, wq, ws, w2q, w2s, topk_ids, topk_weights):
+        def row_major(packed, values):
+            return self.fm.unpack_scales_blocked(packed, values.shape[-2])
+
+        return self.emulation(
+            xq, xs, wq, row_major(ws, wq), w2q, row_major(w2s, w2q), topk_ids, topk_weights
+        )
+
+
 # --------------------------------------------------------------------------- the run
 
 
 def zipf_name(s):
     return f"zipf s={s:g}"
+
+
+def shape_plan(args):
+    """{config key: [(T, routing)]}: each config's softmax-routed shapes, then its
+    Zipf-routed ones (a config named only by --zipf runs just those)."""
+    plan = {key: [(T, SOFTMAX) for T in args.tokens_list] for key in args.configs_list}
+    for key, T in args.zipf_list:
+        plan.setdefault(key, []).append((T, zipf_name(args.zipf_s)))
+    return plan
+
+
+def quantize_bar(args):
+    return SELF_TEST_QUANTIZE_BAR if args.self_test else QUANTIZE_BAR
 
 
 def run(args):
@@ -415,6 +539,7 @@ def run(args):
         self_test=args.self_test,
         training=args.training,
         zipf={"s": args.zipf_s, "shapes": [f"{c}:{T}" for c, T in args.zipf_list]},
+        mxfp8=args.mxfp8,
     )
     log(harness.header_line(meta))
     log(f"command: {meta['command']}")
@@ -425,6 +550,10 @@ def run(args):
     live = load_impls(args, device, session)
     configs = SELF_TEST_CONFIGS if args.self_test else CONFIGS
     rows = {mode: [] for mode in (TRAINING_MODES if args.training else ("fwd",))}
+    if args.mxfp8:
+        rows[QUANTIZE] = []
+    # the quantizers' rows time ours-mxfp8's own quantize (a stand-in's in self-tests)
+    quantizer = next((i for i in live if isinstance(i, peers.OursMxfp8)), None)
     rel_err = reference.relative_error
     softmax = getattr(reference, "routing", None)
     zipf = zipf_topk_routing(args.zipf_s)
@@ -452,18 +581,20 @@ def run(args):
         unit = 2.0 * T * k * D * H
         if not args.training:
             e_active = where["e_active"]
-            wbytes = e_active * 3.0 * D * H * 2 if T <= WEIGHT_READ_MAX_T else None
-            rows["fwd"].extend(
-                session.time_shape(
-                    live,
-                    where,
-                    "fwd",
-                    lambda impl: impl.forward(states[impl.name], x, ids, wts),
-                    rel_err,
-                    broken,
-                    derive=rates(ceilings, FLOP_UNITS["fwd"] * unit, wbytes),
-                )
+            small = T <= WEIGHT_READ_MAX_T
+            wbytes = e_active * 3.0 * D * H * 2 if small else None
+            mx_bytes = mxfp8_bytes(T, D, H, e_active) if small else None
+            fwd = session.time_shape(
+                live,
+                where,
+                "fwd",
+                lambda impl: impl.forward(states[impl.name], x, ids, wts),
+                rel_err,
+                broken,
+                derive=rates(ceilings, FLOP_UNITS["fwd"] * unit, wbytes, mx_bytes),
             )
+            compare_with_bf16(fwd)
+            rows["fwd"].extend(fwd)
             return
         # The training step: the forward with grad enabled alone, then forward + backward;
         # an implementation failing either is not tried again in this config.
@@ -504,6 +635,23 @@ def run(args):
         rows["bwd"].extend(bwd)
         session.check_context()
 
+    def quantize_row(label, tensor, t, blocked, T="-"):
+        """The quantizer's row of one tensor: T is x's, or "-" for the weights."""
+        scales = "blocked" if blocked else "row-major"
+        where = dict(config=label, T=T, tensor=tensor, shape=list(t.shape), scales=scales)
+        for r in session.time_shape(
+            [quantizer],
+            where,
+            QUANTIZE,
+            lambda impl: lambda: impl.quantize(t, blocked),
+            rel_err,
+            {},
+            derive=quantize_rates(ceilings, t.numel()),
+            name=lambda impl: "quantize_mxfp8",
+        ):
+            log(f"    {tensor} {tuple(t.shape)}, {scales} scales: {r['gbps']:.0f} GB/s")
+            rows[QUANTIZE].append(r)
+
     def config(cfg_key, shapes):
         label, D, H, E, k = configs[cfg_key]
         gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -521,17 +669,25 @@ def run(args):
                 break
             shape(label, D, H, E, k, T, routing, w, w2, states, broken, gen)
             harness.free_memory(device)
+        # what a trainer quantizes every step, where the MXFP8 forward takes the shape
+        if quantizer is not None and quantizer.name in states and not session.stopped():
+            T = max(T for T, _ in shapes)
+            quantize_row(label, "x", make_x(T, D, gen, device), False, T)
+            quantize_row(label, "w", w, True)
+            quantize_row(label, "w2", w2, True)
 
-    # each config's softmax-routed shapes, then its Zipf-routed ones (a config named only by
-    # --zipf runs just those)
-    plan = {key: [(T, SOFTMAX) for T in args.tokens_list] for key in args.configs_list}
-    for key, T in args.zipf_list:
-        plan.setdefault(key, []).append((T, zipf_name(args.zipf_s)))
     try:
-        for cfg_key, shapes in plan.items():
+        for cfg_key, shapes in shape_plan(args).items():
             if session.stopped():
                 break
             config(cfg_key, shapes)
+            harness.free_memory(device)
+        # the quantizer's bar, unless a config's x had its shape
+        bar = quantize_bar(args)
+        timed = {(r["tensor"], tuple(r["shape"])) for r in rows.get(QUANTIZE, ())}
+        if quantizer is not None and ("x", bar) not in timed and not session.stopped():
+            gen = torch.Generator(device=device).manual_seed(args.seed)
+            quantize_row("-", "x", make_x(*bar, gen, device), False, bar[0])
             harness.free_memory(device)
     finally:
         doc = finish(args, meta, ceilings, live, session.skips, rows, started)
@@ -545,12 +701,25 @@ TITLES = {
     "fwd-train": "training forward",
     "fwd+bwd": "training step: forward + backward",
     "bwd": "backward alone: (forward + backward) - training forward",
+    QUANTIZE: "quantize_mxfp8 (RCEIL)",
 }
 
 
 def routed(rows, softmax=True):
     """The rows of softmax-routed shapes (the means are over these), or the others."""
     return [r for r in rows if (r.get("routing", SOFTMAX) == SOFTMAX) == softmax]
+
+
+# on the MXFP8 rows only (compare_with_bf16 adds it); a peer's is the inverse of ours
+# split=True's `x vs` that peer
+VS_BF16_COLUMN = harness.Column(
+    f"x vs {BF16}",
+    lambda r: harness.fmt(r["speedup"].get(BF16), ".2f") if r["impl"] in MXFP8_IMPLS else "",
+)
+
+
+def err_flag(row):
+    return MXFP8_ERR_FLAG if row["impl"] in MXFP8_IMPLS else ERR_FLAG
 
 
 def columns(rows, mode):
@@ -577,7 +746,9 @@ def columns(rows, mode):
     ]
     if mode == "fwd":
         cols += [
-            harness.value_column("weight GB/s", "weight_gbps", ".0f"),
+            harness.Column(
+                "GB/s", lambda r: harness.fmt(r.get("weight_gbps", r.get("mxfp8_gbps")), ".0f")
+            ),
             harness.value_column("of copy", "frac_copy", ".1%"),
         ]
     elif mode == "fwd-train":
@@ -587,7 +758,47 @@ def columns(rows, mode):
         ]
     elif mode == "fwd+bwd":
         cols.append(harness.value_column("peak GB", "extra_gb", ".2f"))
-    return cols + harness.speedup_columns(rows) + [harness.rel_err_column(ERR_FLAG)]
+    if any(BF16 in r["speedup"] for r in rows):
+        cols.append(VS_BF16_COLUMN)
+    return cols + harness.speedup_columns(rows) + [harness.rel_err_column(err_flag)]
+
+
+def quantize_columns():
+    return [
+        harness.value_column("config", "config"),
+        harness.value_column("tensor", "tensor"),
+        harness.Column("shape", lambda r: str(tuple(r["shape"]))),
+        harness.value_column("scales", "scales"),
+        harness.MS_COLUMN,
+        harness.value_column("GB/s", "gbps", ".0f"),
+        harness.value_column("of copy", "frac_copy", ".1%"),
+    ]
+
+
+def quantize_lines(rows, bar):
+    """The quantizer's bar, at x of shape ``bar``: its fraction of the copy rate."""
+    for r in rows:
+        if (r["tensor"], tuple(r["shape"])) == ("x", bar):
+            verdict = "met" if r["frac_copy"] >= QUANTIZE_BAR_FRAC else "missed"
+            return [
+                f"quantize_mxfp8 of x {bar}: {r['gbps']:.0f} GB/s, {r['frac_copy']:.1%} of the "
+                f"copy rate (bar {QUANTIZE_BAR_FRAC:.0%}: {verdict})"
+            ]
+    return []
+
+
+def quantize_md(rows, bar):
+    """The quantizers' table, a block of the forward section."""
+    legend = (
+        "quantize_mxfp8 with RCEIL scales, what a trainer quantizes every step: each config's "
+        "x (T, D) at its largest T with row-major scales, w (E, 2H, D) and w2 (E, D, H) with "
+        f"blocked scales, where the MXFP8 forward takes the config, and x {bar} (the bar: "
+        f"≥ {QUANTIZE_BAR_FRAC:.0%} of the copy rate). GB/s = (2 + 1 + 1/32) bytes per element "
+        "(bf16 read, e4m3 values and e8m0 scales written) / time, timed as the forward's rows."
+    )
+    lines = [f"### {TITLES[QUANTIZE]}", "", legend, "", harness.md_table(quantize_columns(), rows)]
+    lines += ["", *(f"- {line}" for line in quantize_lines(rows, bar))]
+    return "\n".join(lines)
 
 
 TRAINING_LEGEND = (
@@ -599,8 +810,10 @@ TRAINING_LEGEND = (
 )
 MODE_LEGEND = {
     "fwd": (
-        "TFLOP/s counts 6·T·k·D·H; weight GB/s = E_active·3·D·H·2 bytes / time, for "
-        f"T ≤ {WEIGHT_READ_MAX_T}. rel err = ‖out − grouped-mm‖/‖grouped-mm‖"
+        "TFLOP/s counts 6·T·k·D·H; GB/s = the bytes a forward must move / time, for "
+        f"T ≤ {WEIGHT_READ_MAX_T}: E_active·3·D·H·2 (the routed experts' bf16 weights) "
+        "unless said otherwise; of copy = GB/s over the copy rate. "
+        "rel err = ‖out − grouped-mm‖/‖grouped-mm‖"
     ),
     "fwd-train": (
         "The forward with grad enabled, its output (and what autograd saved for the "
@@ -625,12 +838,26 @@ MODE_LEGEND = {
 }
 
 
+MXFP8_LEGEND = (
+    f"{peers.MXFP8} = moe_align + fused_moe_mxfp8 (split=True) on x, w and w2 quantized as "
+    "the consumer quantizes them (RCEIL, weight scales blocked) once, outside the timing; its "
+    "GB/s counts E_active·3·D·H·33/32 + T·D·33/32 + 2·T·D bytes (the routed experts' e4m3 "
+    f"weights and their scales, x's values and scales, bf16 out). {peers.MXFP8_QUANT} "
+    "quantizes x, w and w2 in every call first, what a trainer's forward pays each step "
+    f"(reported without a bar or GB/s). `x vs {BF16}` compares them with our bf16 forward. "
+    f"Their rel err is flagged above {MXFP8_ERR_FLAG:g}, the contract's bar against "
+    "grouped-mm (quantizing the inputs alone costs several percent)."
+)
+
+
 def legend(meta, mode):
     tuned = "autotuned" if meta["tune_peers"] else "not autotuned (their default configs)"
     parts = [harness.timing_sentence(meta), f"Peers {tuned}.", harness.SPEEDUP_LEGEND]
     if mode != "fwd":
         parts.append(TRAINING_LEGEND)
     parts.append(f"{MODE_LEGEND[mode]}; (!) marks > {ERR_FLAG:g}.")
+    if mode == "fwd" and meta.get("mxfp8"):
+        parts.append(MXFP8_LEGEND)
     if meta["zipf"]["shapes"]:
         parts.append(
             "Routing: top-k of a softmax over normal logits; zipf rows draw k distinct experts "
@@ -664,7 +891,7 @@ def notes(rows, what, *more):
     return lines + sorted({f"{r['impl']}: {r['note']}" for r in rows if r.get("note")})
 
 
-def section(title, meta, ceilings, rows, mode, skips, note_lines, extra_means=()):
+def section(title, meta, ceilings, rows, mode, skips, note_lines, extra_means=(), more=()):
     return harness.section_md(
         title,
         meta,
@@ -675,6 +902,7 @@ def section(title, meta, ceilings, rows, mode, skips, note_lines, extra_means=()
         note_lines,
         skips,
         PEER_PACKAGES,
+        more,
     )
 
 
@@ -683,15 +911,32 @@ def finish(args, meta, ceilings, live, skips, rows, started):
     for mode, mode_rows in rows.items():
         log()
         log(f"{TITLES[mode]}:")
-        log(harness.text_table(columns(mode_rows, mode), mode_rows))
-        for line in gm_lines(mode_rows) + zipf_lines(mode_rows, mode):
+        if mode == QUANTIZE:
+            log(harness.text_table(quantize_columns(), mode_rows))
+            lines = quantize_lines(mode_rows, quantize_bar(args))
+        else:
+            log(harness.text_table(columns(mode_rows, mode), mode_rows))
+            lines = gm_lines(mode_rows) + zipf_lines(mode_rows, mode)
+        for line in lines:
             log(line)
     log(f"total {elapsed:.0f} s")
     meta["peers"] = harness.impls_meta(live)
     meta["definitions"] = {
         "flops": "fwd and fwd-train 6*T*k*D*H, fwd+bwd 18*T*k*D*H, bwd 12*T*k*D*H",
-        "weight_bytes": f"E_active*3*D*H*2, for T <= {WEIGHT_READ_MAX_T}",
-        "speedup": "other impl's ms / this row's ms (above 1: this row is faster)",
+        "weight_bytes": f"E_active*3*D*H*2, for T <= {WEIGHT_READ_MAX_T}; weight_gbps = "
+        "that / time",
+        "mxfp8_bytes": f"{peers.MXFP8}: E_active*3*D*H*33/32 + T*D*33/32 + 2*T*D (e4m3 "
+        "weights and scales, x's values and scales, bf16 out), for T <= "
+        f"{WEIGHT_READ_MAX_T}; mxfp8_gbps = that / time",
+        "mxfp8": f"{peers.MXFP8}: moe_align + fused_moe_mxfp8 (split=True) on x, w, w2 "
+        "quantized once outside the timing (RCEIL, w and w2 scales blocked); "
+        f"{peers.MXFP8_QUANT}: the same quantizing x, w, w2 in every call",
+        "quantize": f"the rows of mode {QUANTIZE!r}: quantize_mxfp8 RCEIL of x (T, D) "
+        "with row-major scales, w (E, 2H, D) and w2 (E, D, H) with blocked scales; gbps = "
+        "numel*(2 + 1 + 1/32) bytes (read + written) / time",
+        "frac_copy": "weight_gbps, mxfp8_gbps or gbps over ceilings.copy_gbps",
+        "speedup": "other impl's ms / this row's ms (above 1: this row is faster); the MXFP8 "
+        f"rows also against {BF16!r}",
         "rel_err": "||out - grouped-mm|| / ||grouped-mm||; fwd+bwd and bwd: the largest of "
         "rel_errs, the same per gradient (dx, dw, dw2, dtopk_weights) against grouped-mm "
         "autograd's",
@@ -714,6 +959,7 @@ def finish(args, meta, ceilings, live, skips, rows, started):
     quick = " (quick)" if args.quick and not args.section else ""
     if not args.training:
         fwd_rows = rows["fwd"]
+        quantized = rows.get(QUANTIZE)
         sections = {
             args.sections["forward"]: section(
                 f"flash_moe forward{quick}",
@@ -723,10 +969,13 @@ def finish(args, meta, ceilings, live, skips, rows, started):
                 "fwd",
                 skips,
                 notes(fwd_rows, "forward"),
+                more=[] if quantized is None else [quantize_md(quantized, quantize_bar(args))],
             )
         }
         geomeans = {"forward": harness.geomeans(routed(fwd_rows), LARGE_T)}
         bench_extra = {"forward": fwd_rows}
+        if quantized is not None:
+            bench_extra[QUANTIZE] = quantized
     else:
         train, step, bwd = rows["fwd-train"], rows["fwd+bwd"], rows["bwd"]
         # the step's section also carries the backward's means and Zipf ratios: the
@@ -784,9 +1033,19 @@ def check_rows(args, doc):
     if args.training:
         want = {mode: {"grouped-mm", *(["ours"] if ours else [])} for mode in TRAINING_MODES}
     else:
-        want = {"fwd": {"grouped-mm", *ours}}
+        want = {"fwd": {"grouped-mm", *ours, *(MXFP8_IMPLS if args.mxfp8 else ())}}
     shapes = [(T, SOFTMAX) for T in args.tokens_list]
     shapes += [(T, zipf_name(args.zipf_s)) for _, T in args.zipf_list]
+    if args.mxfp8:
+        configs = SELF_TEST_CONFIGS if args.self_test else CONFIGS
+        quantized = {("x", quantize_bar(args))}
+        for key, plan in shape_plan(args).items():
+            _, D, H, E, _ = configs[key]
+            quantized |= {("x", (max(T for T, _ in plan), D)), ("w", (E, 2 * H, D))}
+            quantized.add(("w2", (E, D, H)))
+        got = {(r["tensor"], tuple(r["shape"])) for r in doc["rows"] if r["mode"] == QUANTIZE}
+        if got != quantized:
+            problems.append(f"quantizer rows {sorted(got)}, expected {sorted(quantized)}")
     for T, routing in shapes:
         for mode in want:
             got = {
@@ -797,6 +1056,10 @@ def check_rows(args, doc):
             if got != want[mode]:
                 problems.append(f"{mode} rows at T={T} ({routing}): {sorted(got)}")
     for r in doc["rows"]:
+        if r["mode"] == QUANTIZE:
+            if not (r["ms"] > 0 and r["gbps"] > 0 and r["frac_copy"] > 0):
+                problems.append(f"quantize_mxfp8 {r['tensor']} {r['shape']}: GB/s missing")
+            continue
         where = f"{r['impl']} {r['mode']} T={r['T']} ({r['routing']})"
         if r["mode"] == "bwd" and not math.isfinite(r["ms"]):
             if "no difference" not in r.get("note", ""):
@@ -804,10 +1067,15 @@ def check_rows(args, doc):
             continue
         if not (r["ms"] > 0 and r["tflops"] > 0 and "frac_dense" in r and "speedup" in r):
             problems.append(f"{where}: rates or speedups missing")
-        if r["kind"] == "ours" and not (r["rel_err"] is not None and r["rel_err"] <= ERR_FLAG):
+        if r["kind"] == "ours" and not (r["rel_err"] is not None and r["rel_err"] <= err_flag(r)):
             problems.append(f"{where}: rel err {r['rel_err']}")
-        if r["mode"] == "fwd" and ("weight_gbps" in r) != (r["T"] <= WEIGHT_READ_MAX_T):
-            problems.append(f"{where}: weight GB/s")
+        if r["mode"] == "fwd":
+            key = {peers.MXFP8: "mxfp8_gbps", peers.MXFP8_QUANT: None}.get(r["impl"], "weight_gbps")
+            small = r["T"] <= WEIGHT_READ_MAX_T and key is not None
+            if (key in r) != small or ("frac_copy" in r) != small:
+                problems.append(f"{where}: GB/s")
+            if r["kind"] == "ours" and (r["impl"] in MXFP8_IMPLS) != (BF16 in r["speedup"]):
+                problems.append(f"{where}: speedup against {BF16}")
         if r["mode"] in ("fwd-train", "fwd+bwd") and not {"extra_gb", "held_gb"} <= set(r):
             problems.append(f"{where}: memory")
         if r["mode"] in ("fwd+bwd", "bwd") and r["kind"] != "baseline":

@@ -435,13 +435,14 @@ def difference_rows(total_rows, part_rows, mode, derive=None):
 
 
 def geomeans(rows, large_T):
-    """For every ours impl and every other impl: geometric mean of the speedup over the
-    shapes where both ran, over T in ``large_T`` and over all T."""
+    """For every ours impl and every impl its rows have speedups against (the other kinds,
+    and another of ours where the benchmark compared the two): geometric mean of the speedup
+    over the shapes where both ran, over T in ``large_T`` and over all T."""
     out = []
     ours = list(dict.fromkeys(r["impl"] for r in rows if r["kind"] == "ours"))
-    others = list(dict.fromkeys(r["impl"] for r in rows if r["kind"] != "ours"))
+    names = list(dict.fromkeys(r["impl"] for r in rows))
     for o in ours:
-        for other in others:
+        for other in names:
             ratios_all, ratios_large = [], []
             for r in rows:
                 if r["impl"] != o or other not in r["speedup"]:
@@ -676,10 +677,14 @@ def speedup_columns(rows):
 
 
 def rel_err_column(flag):
+    """``flag``: the error above which a row is marked (!), or a function of the row giving
+    it (rows held to different bars)."""
+
     def cell(r):
         err = r.get("rel_err")
         s = fmt(err, ".2e")
-        return s + " (!)" if err is not None and err > flag else s
+        limit = flag(r) if callable(flag) else flag
+        return s + " (!)" if err is not None and err > limit else s
 
     return Column("rel err", cell)
 
@@ -759,10 +764,11 @@ def sections_text(op: str, sections: dict[str, str]) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
-def section_md(title, meta, ceilings, legend, table, gm_lines, notes, skips, packages):
+def section_md(title, meta, ceilings, legend, table, gm_lines, notes, skips, packages, more=()):
     """One results section: provenance (date, GPU, torch, commit, the versions of
     ``packages`` that are installed), the command, the ceilings, ``legend``, the table, the
-    geometric means, notes and what was skipped and why."""
+    geometric means, notes, ``more`` (markdown blocks: further tables of the same run) and
+    what was skipped and why."""
     v = meta["versions"]
     peer_v = ", ".join(f"{n} {v[n]}" for n in packages if v.get(n))
     out = [
@@ -787,6 +793,8 @@ def section_md(title, meta, ceilings, legend, table, gm_lines, notes, skips, pac
     if notes:
         out += [f"- {n}" for n in notes]
         out.append("")
+    for block in more:
+        out += [block.rstrip(), ""]
     if skips:
         out += ["Skipped:", ""]
         for s in skips:

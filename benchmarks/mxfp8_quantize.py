@@ -10,7 +10,9 @@ e4m3 and scale bytes written) and the fraction of the device copy rate. Then
 pack_scales_blocked and unpack_scales_blocked of weight scales (E, N, K/32), with GB/s of
 bytes read plus written and the time of mxfp8.py's pure-PyTorch permutation on the same
 device. Each output is checked bit for bit against mxfp8.py once. --self-test runs the Python
-reference on CPU at toy shapes (no timing claims).
+reference on CPU at toy shapes (no timing claims). benchmarks/flash_moe.py's forward run times
+the RCEIL quantizers of its own configs' tensors, and of x (32768, 7168), beside the MXFP8
+forward; this script adds the floor rounding, the bit checks and the scale layout's permutes.
 """
 
 from __future__ import annotations

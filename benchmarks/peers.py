@@ -24,6 +24,10 @@ and say which (the harness then tries once more); ``row_note(mode)`` is a line f
 of that mode ("fwd", "fwd-train" or "fwd+bwd").
 ``Skip`` (harness.Skip) carries the one-line reason an implementation cannot run.
 
+Ours: ``Ours`` (moe_align + fused_moe_bf16, split or not; flash_moe.moe for training) and
+``OursMxfp8`` (moe_align + fused_moe_mxfp8 on inputs quantized outside the timing, or with
+the quantizers of x, w and w2 in every call).
+
 Peers (wheels from scripts/fetch-peer-wheels, installed into PYTHONPATH):
 
 - Liger-Kernel 0.8.5, ``liger_kernel.ops.fused_moe.LigerFusedMoEFunction.apply(x,
@@ -241,6 +245,83 @@ class Ours(Impl):
         if moe is None:
             raise Skip("prime_kernels.flash_moe has no moe() (autograd function) yet")
         return lambda x, w, w2, topk_weights: moe(x, w, w2, topk_ids, topk_weights)
+
+
+MXFP8 = "ours-mxfp8"
+MXFP8_QUANT = "ours-mxfp8+quant"
+
+
+class OursMxfp8(Impl):
+    """prime_kernels' flash_moe in MXFP8: moe_align + fused_moe_mxfp8 (split=True), on x, w
+    and w2 quantized as the consumer quantizes them (RCEIL; the weights' scales blocked). The
+    op takes quantized inputs, so by default the weights are quantized once per config and x
+    once per shape, outside the timing; with ``quantize_each_call`` every call quantizes all
+    three first, as a trainer's forward must each step (the weights change every step)."""
+
+    kind = "ours"
+
+    def __init__(self, fm, quantize_each_call: bool):
+        self.fm = fm
+        self.quantize_each_call = quantize_each_call
+        self.name = MXFP8_QUANT if quantize_each_call else MXFP8
+
+    def settings(self):
+        return {
+            **super().settings(),
+            "split": True,
+            "block_m": self.fm.BLOCK_M,
+            "rounding": "rceil",
+            "scales": "x row-major, w and w2 blocked (pack_scales_blocked's layout)",
+            "quantized": "x, w and w2 in every call"
+            if self.quantize_each_call
+            else "once, outside the timing",
+        }
+
+    def quantize(self, t, blocked):
+        """(values, scales) of ``t`` as the consumer quantizes it."""
+        return self.fm.quantize_mxfp8(t, blocked=blocked)
+
+    def run(self, xq, xs, wq, ws, w2q, w2s, topk_ids, topk_weights):
+        """The forward on quantized inputs, as the user pays it: moe_align, out, the op."""
+        import torch
+
+        fm = self.fm
+        E, k = wq.shape[0], topk_ids.shape[1]
+        sorted_ids, expert_ids, ntpp = fm.moe_align(topk_ids, E, block_m=fm.BLOCK_M)
+        out = torch.empty(xq.shape, dtype=torch.bfloat16, device=xq.device)
+        return fm.fused_moe_mxfp8(
+            xq, xs, wq, ws, w2q, w2s, sorted_ids, expert_ids, ntpp, topk_weights, out, k
+        )
+
+    def prepare(self, w, w2):
+        E, two_h, D = w.shape
+        reason = self.fm.unsupported_shape_reason(D, two_h // 2, mxfp8=True)
+        if reason:
+            raise Skip(reason)
+        if self.quantize_each_call:
+            return (w, w2)
+        try:
+            return (*self.quantize(w, True), *self.quantize(w2, True))
+        except Exception as exc:  # a build without the quantizer: skip, not stop the run
+            raise Skip(f"quantize_mxfp8 of the weights failed ({first_line(exc)})") from None
+
+    def forward(self, state, x, topk_ids, topk_weights):
+        run, quantize = self.run, self.quantize
+        if self.quantize_each_call:
+            w, w2 = state
+
+            def fn():
+                return run(
+                    *quantize(x, False),
+                    *quantize(w, True),
+                    *quantize(w2, True),
+                    topk_ids,
+                    topk_weights,
+                )
+
+            return fn
+        xq, xs = quantize(x, False)
+        return lambda: run(xq, xs, *state, topk_ids, topk_weights)
 
 
 class Liger(Impl):
