@@ -44,12 +44,22 @@ using WideTile = MoeGemmTile<128, 256, 1>;
 // order (moe_gather_rows_kernel, a read and a write of the rows): gathering their token
 // rows inside the GEMMs by cp.async held dh at ~370 TFLOP/s and dW2 at ~290 (Qwen3-30B-A3B
 // T = 32768), the gather's rate, not the tensor cores'.
+// Every GEMM runs in 2-CTA clusters that share the B tile of two M-consecutive tiles (the
+// weight tile of two blocks of one expert; for a weight gradient the same rows of y1s or
+// x), moe_gemm.cuh: a CTA reads a third (dxe, dW2, dW) or a quarter (dh) less from L2 per
+// K step. Measured against single CTAs (H200, benchmarks/ab.py --mode train, 3 rounds):
+// Qwen3-30B-A3B 0.995 / 1.000 and Mixtral-8x7B 0.999 / 1.026 at T = 8192 / 32768; ncu
+// had put L2 at 58-75% of its peak, so there was little to win. (The forward's GEMMs ran
+// 3.5% slower in clusters and stay single.)
+constexpr int kClusterM = 2;
 using DhKernel = MoeGemm<DhTile, TmaRows<DhTile>, SwiGluBackward, TmaWeightTilesMN<DhTile>,
-                         MoeTileScheduler, PingPongConsumers>;
-using DxKernel = MoeGemm<WideTile, TmaRows<WideTile>, StoreRows, TmaWeightTilesMN<WideTile>>;
+                         MoeTileScheduler, PingPongConsumers, kClusterM>;
+using DxKernel = MoeGemm<WideTile, TmaRows<WideTile>, StoreRows, TmaWeightTilesMN<WideTile>,
+                         MoeTileScheduler, CooperativeConsumers, kClusterM>;
 // dW2 and dW: a K-grouped weight gradient, both operands MN-major by TMA.
-using WeightGradKernel = MoeGemm<WideTile, TmaRowsAlongK<WideTile, Side::kA>, StoreExpertTile,
-                                 TmaRowsAlongK<WideTile, Side::kB>, ExpertKScheduler>;
+using WeightGradKernel =
+    MoeGemm<WideTile, TmaRowsAlongK<WideTile, Side::kA>, StoreExpertTile,
+            TmaRowsAlongK<WideTile, Side::kB>, ExpertKScheduler, CooperativeConsumers, kClusterM>;
 
 constexpr int kMaxStages = 8;
 constexpr int kMinStages = 2;

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -43,20 +44,71 @@ inline bool aligned16(const void* ptr) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
 }
 
+// How many 2-CTA clusters of Kernel with `stages` stages the device runs at once (not every
+// SM pairs up: clusters live inside a GPC). Asked once per kernel, device and ring depth.
+template <class Kernel>
+int max_active_clusters(int device, int stages) {
+  constexpr int kDevices = 64, kDepths = 16;
+  static std::atomic<int> known[kDevices][kDepths] = {};
+  const bool cached = device >= 0 && device < kDevices && stages >= 0 && stages < kDepths;
+  if (cached && known[device][stages].load(std::memory_order_relaxed) > 0)
+    return known[device][stages].load(std::memory_order_relaxed);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(2 * device_attribute(cudaDevAttrMultiProcessorCount, device));
+  config.blockDim = dim3(Kernel::kThreads);
+  config.dynamicSmemBytes = Kernel::smem_bytes(stages);
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = Kernel::kClusterM;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, moe_gemm_kernel<Kernel>, &config) != cudaSuccess)
+    return 0;
+  if (cached) known[device][stages].store(clusters, std::memory_order_relaxed);
+  return clusters;
+}
+
 template <class Kernel>
 cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
                         const MoeGemmParams& params, int num_sms, cudaStream_t stream) {
   using Tile = typename Kernel::Tile;
+  constexpr int kClusterM = Kernel::kClusterM;
   auto* kernel = moe_gemm_kernel<Kernel>;
   const size_t smem = Kernel::smem_bytes(params.stages);
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   // Persistent: one CTA per SM (or fewer when even the largest routing has fewer tiles).
-  const int64_t max_tiles = Kernel::Scheduler::max_tiles(params, Tile::kBlockM, Tile::kBlockN);
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tiles)));
-  kernel<<<grid, Kernel::kThreads, smem, stream>>>(tmap_a, tmap_b, params);
-  return cudaGetLastError();
+  const int64_t max_tiles =
+      Kernel::Scheduler::max_tiles(params, Tile::kBlockM, Tile::kBlockN, kClusterM);
+  if constexpr (kClusterM == 1) {
+    const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tiles)));
+    kernel<<<grid, Kernel::kThreads, smem, stream>>>(tmap_a, tmap_b, params);
+    return cudaGetLastError();
+  } else {
+    int device = 0;
+    if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
+    const int64_t clusters =
+        std::min<int64_t>({int64_t(max_active_clusters<Kernel>(device, params.stages)),
+                           num_sms / kClusterM, max_tiles / kClusterM});
+    if (clusters < 1) return cudaErrorInvalidConfiguration;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(clusters * kClusterM));
+    config.blockDim = dim3(Kernel::kThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kClusterM;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, params);
+  }
 }
 
 }  // namespace prime_moe

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "prime_kernels/cluster.cuh"
 #include "prime_kernels/mbarrier.cuh"
 
 namespace prime_kernels {
@@ -64,6 +65,15 @@ struct StageRing {
   }
   __device__ __forceinline__ void consumer_release(int stage) const {
     mbarrier_arrive(&empty[stage]);
+  }
+  // The same in a cluster of kCtas CTAs that copy into each other's stages (TMA multicast): a
+  // stage may be refilled only when the consumers of every CTA are done with it, so lane c of
+  // each consumer warp arrives on CTA c's barrier (empty_arrivals: consumer warps x kCtas). A
+  // warp's lanes leave wgmma's wait together, so one lane speaks for the warp.
+  template <int kCtas>
+  __device__ __forceinline__ void consumer_release_cluster(int stage) const {
+    const uint32_t lane = threadIdx.x % 32;
+    if (lane < kCtas) mbarrier_arrive_cluster(&empty[stage], lane);
   }
 };
 

@@ -19,8 +19,12 @@
 //                       combine.cuh: gathered along K by cp.async they ran at half the
 //                       rate).
 // The MXFP8 weight loader (e4m3 weights and their scales, widened to bf16 by the producer
-// threads) is in mxfp8_loaders.cuh. (A multicast weight loader for 2-CTA clusters is a further
-// part of this file's kind.)
+// threads) is in mxfp8_loaders.cuh.
+//
+// In a 2-CTA cluster whose two tiles read the same B tile (same expert and n tile, MoeGemm
+// pairs them), each CTA copies half of the B tile's TMA boxes into both CTAs' stages (TMA
+// multicast): B's traffic from L2 halves. A BoxShare says which boxes a loader copies, and
+// where to; a TMA loader that can split its tile so says kMulticast.
 #pragma once
 
 #include <cuda.h>
@@ -36,9 +40,31 @@
 
 namespace prime_moe {
 
+// Which of a tile's TMA boxes this CTA copies: all of them into its own shared memory
+// (parts = 1), or the boxes of its half (part 0 or 1 of parts = 2) into both CTAs' of its
+// cluster.
+// The loaders walk all kBoxes with compile-time indices and skip the other half's (a loop over
+// a runtime range kept the producer's unrolled box offsets in local memory: 40 registers).
+struct BoxShare {
+  int part = 0;
+  int parts = 1;
+
+  __device__ __forceinline__ bool copies(int box, int boxes) const {
+    return parts == 1 || box / (boxes / 2) == part;
+  }
+  __device__ __forceinline__ void copy(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col,
+                                       int row) const {
+    if (parts == 1)
+      prime_kernels::tma_load_2d(dst, map, bar, col, row);
+    else
+      prime_kernels::tma_load_2d_multicast(dst, map, bar, col, row, uint16_t(0b11));
+  }
+};
+
 // What every TMA loader shares: one thread, completion counted in bytes, async-proxy writes.
 struct TmaLoader {
   static constexpr int kThreads = 1;
+  static constexpr bool kMulticast = true;
   static constexpr int kProducerRegs = 40;
   static constexpr uint32_t kFullArrivals = 0;
   static constexpr bool kGenericProxyWrites = false;
@@ -47,14 +73,19 @@ struct TmaLoader {
   __device__ __forceinline__ explicit TmaLoader(int /*tid*/) {}
   __device__ __forceinline__ static void init_extra(uint8_t* /*extra*/) {}
   __device__ __forceinline__ void attach(uint8_t* /*extra*/) {}
+  // A stage of a tile with no work (a cluster's missing tile): thread 0's arrival (the
+  // kernel's) is the only one the full barrier expects from a TMA loader.
+  __device__ __forceinline__ static void arrive_empty(uint64_t* /*full*/) {}
 };
 
 // kNumB weight tiles of kBlockN x 64 from the (E * b_rows_per_expert, K) view of the
 // weights: expert e's tile b starts at row e * b_rows_per_expert + n0 + b * b_second_offset.
+// One TMA box of kBlockN rows per weight tile.
 template <class Tile>
 struct TmaWeightTiles : TmaLoader {
   using Layout = prime_kernels::SmemKMajor;
   static constexpr uint32_t kTmaBytes = Tile::kBBytes;
+  static constexpr int kBoxes = Tile::kNumB;
 
   int b_row = 0;
 
@@ -66,13 +97,15 @@ struct TmaWeightTiles : TmaLoader {
   }
 
   __device__ __forceinline__ void load(const MoeGemmParams& p, const CUtensorMap* map,
-                                       uint8_t* smem_b, uint64_t* full, int kb) const {
+                                       uint8_t* smem_b, uint64_t* full, int kb,
+                                       const BoxShare& share = {}) const {
     using namespace prime_kernels;
     const uint32_t dst = smem_addr(smem_b);
 #pragma unroll
-    for (int b = 0; b < Tile::kNumB; ++b)
-      tma_load_2d(dst + b * Tile::kBlockN * 128, map, smem_addr(full), kb * Tile::kBlockK,
-                  b_row + b * p.b_second_offset);
+    for (int b = 0; b < kBoxes; ++b)
+      if (share.copies(b, kBoxes))
+        share.copy(dst + b * Tile::kBlockN * 128, map, smem_addr(full), kb * Tile::kBlockK,
+                   b_row + b * p.b_second_offset);
   }
 };
 
@@ -96,14 +129,18 @@ struct TmaWeightTilesMN : TmaLoader {
     n0 = w.n0;
   }
 
+  static constexpr int kBoxes = Tile::kBlockN / 64;
+
   __device__ __forceinline__ void load(const MoeGemmParams& /*p*/, const CUtensorMap* map,
-                                       uint8_t* smem_b, uint64_t* full, int kb) const {
+                                       uint8_t* smem_b, uint64_t* full, int kb,
+                                       const BoxShare& share = {}) const {
     using namespace prime_kernels;
     const uint32_t dst = smem_addr(smem_b);
 #pragma unroll
-    for (int c = 0; c < Tile::kBlockN / 64; ++c)
-      tma_load_2d(dst + c * SmemMNMajor::kChunkBytes, map, smem_addr(full), n0 + 64 * c,
-                  k_row + kb * Tile::kBlockK);
+    for (int c = 0; c < kBoxes; ++c)
+      if (share.copies(c, kBoxes))
+        share.copy(dst + c * SmemMNMajor::kChunkBytes, map, smem_addr(full), n0 + 64 * c,
+                   k_row + kb * Tile::kBlockK);
   }
 };
 
@@ -117,6 +154,7 @@ struct GatherTokenRows {
   static constexpr uint32_t kFullArrivals = kThreads;  // one cp.async arrival per thread
   static constexpr uint32_t kTmaBytes = 0;
   static constexpr bool kGenericProxyWrites = true;
+  static constexpr bool kMulticast = false;
   static constexpr int kRowsPerThread = Tile::kBlockM / 16;
   static constexpr int kProducerRegs = 40;
 
@@ -160,6 +198,11 @@ struct GatherTokenRows {
     for (int i = 0; i < kRowsPerThread; ++i)
       cp_async_16_zfill(dst + i * 16 * 128, src + src_chunk[i], (valid_mask >> i) & 1);
     cp_async_mbarrier_arrive_noinc(full);
+  }
+
+  // A stage of a tile with no work (a cluster's missing tile): every thread's arrival, no copy.
+  __device__ __forceinline__ static void arrive_empty(uint64_t* full) {
+    prime_kernels::mbarrier_arrive(full);
   }
 };
 
@@ -217,14 +260,18 @@ struct TmaRowsAlongK : TmaLoader {
     c0 = first_column<kSide>(w);
   }
 
+  static constexpr int kBoxes = kCols / 64;
+
   __device__ __forceinline__ void load(const MoeGemmParams& /*p*/, const CUtensorMap* map,
-                                       uint8_t* smem, uint64_t* full, int kb) const {
+                                       uint8_t* smem, uint64_t* full, int kb,
+                                       const BoxShare& share = {}) const {
     using namespace prime_kernels;
     const uint32_t dst = smem_addr(smem);
 #pragma unroll
-    for (int c = 0; c < kCols / 64; ++c)
-      tma_load_2d(dst + c * SmemMNMajor::kChunkBytes, map, smem_addr(full), c0 + 64 * c,
-                  k_row0 + kb * Tile::kBlockK);
+    for (int c = 0; c < kBoxes; ++c)
+      if (share.copies(c, kBoxes))
+        share.copy(dst + c * SmemMNMajor::kChunkBytes, map, smem_addr(full), c0 + 64 * c,
+                   k_row0 + kb * Tile::kBlockK);
   }
 };
 

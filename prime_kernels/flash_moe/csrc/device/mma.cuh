@@ -14,7 +14,9 @@
 
 namespace prime_moe {
 
-template <class Tile, class Consumers, bool kFenceGenericWrites>
+// kClusterCtas > 1: the CTAs of a cluster fill each other's stages (multicast), and a stage
+// goes back to the producers of all of them (StageRing::consumer_release_cluster).
+template <class Tile, class Consumers, bool kFenceGenericWrites, int kClusterCtas = 1>
 struct WarpgroupMainloop {
   using Mma = typename Consumers::Mma;
   using ALayout = typename Consumers::ALayout;
@@ -22,13 +24,20 @@ struct WarpgroupMainloop {
   // [64-row half of the warpgroup's rows][weight tile][wgmma registers]
   using Accumulators = float[Consumers::kMmaM][Consumers::kNumMma][Mma::kAccRegs];
 
+  __device__ __forceinline__ static void release(const prime_kernels::StageRing& ring, int stage) {
+    if constexpr (kClusterCtas == 1)
+      ring.consumer_release(stage);
+    else
+      ring.consumer_release_cluster<kClusterCtas>(stage);
+  }
+
   // A tile this warpgroup has no work in (a 64-row half of padding) only passes its
   // stages through, so the ring stays in step with the producer.
   __device__ __forceinline__ static void skip(const prime_kernels::StageRing& ring,
                                               prime_kernels::RingState& rs, int num_k_blocks) {
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       ring.consumer_wait(rs);
-      ring.consumer_release(rs.stage);
+      release(ring, rs.stage);
       rs.advance(ring.stages);
     }
   }
@@ -67,7 +76,7 @@ struct WarpgroupMainloop {
       // Keep this K slice's wgmmas in flight; the previous slice's are done, so its stage
       // goes back to the producer.
       wgmma_wait<1>();
-      if (kb > 0) ring.consumer_release(prev_stage);
+      if (kb > 0) release(ring, prev_stage);
       prev_stage = rs.stage;
       rs.advance(ring.stages);
     }
@@ -77,7 +86,7 @@ struct WarpgroupMainloop {
 #pragma unroll
       for (int b = 0; b < Consumers::kNumMma; ++b) wgmma_fence_operands(acc[mh][b]);
     }
-    ring.consumer_release(prev_stage);
+    release(ring, prev_stage);
   }
 };
 

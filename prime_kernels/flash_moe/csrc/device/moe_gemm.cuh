@@ -13,6 +13,16 @@
 // mainloop), tile.cuh. Tiles come from the scheduler: M-grouped over moe_align's expert blocks (the
 // forward, and the backward's activation gradients) or K-grouped over each expert's padded rows
 // (the weight gradients).
+//
+// kClusterM = 2 (the backward's GEMMs, moe_backward.cu): CTAs run in clusters of two, and the
+// scheduler hands the two the tiles of consecutive M (expert blocks, or a weight gradient's m
+// tiles) at the same n. Where both exist and read the same B tile (same expert: for M-grouped
+// tiles, blocks of one expert), each CTA's producer copies half of B into both CTAs' stages (TMA
+// multicast; the loaders' BoxShare): per K step a CTA reads A and half of B from L2 instead of A
+// and B. Otherwise each copies its own B, and a missing tile (past the last block or m tile, or a
+// block with a garbage expert id) passes its stages empty. Either way both CTAs walk the same
+// stages in the same order, which multicasting into each other's stages needs: a stage is refilled
+// only when the consumers of both CTAs released it.
 #pragma once
 
 #include <cuda.h>
@@ -23,6 +33,7 @@
 #include "loaders.cuh"
 #include "mma.cuh"
 #include "moe_gemm_params.cuh"
+#include "prime_kernels/cluster.cuh"
 #include "prime_kernels/mbarrier.cuh"
 #include "prime_kernels/pipeline.cuh"
 #include "prime_kernels/tma.cuh"
@@ -31,9 +42,19 @@
 
 namespace prime_moe {
 
+// Whether clusters of cluster_m CTAs can share BLoad's tiles: its TMA boxes split evenly.
+template <class BLoad>
+constexpr bool splits_b(int cluster_m) {
+  if constexpr (BLoad::kMulticast)
+    return BLoad::kBoxes % cluster_m == 0;
+  else
+    return cluster_m == 1;
+}
+
 template <class Tile_, class ALoad_, class Epilogue_, class BLoad_ = TmaWeightTiles<Tile_>,
           class Scheduler_ = MoeTileScheduler,
-          template <class, class, class> class Consumers_ = CooperativeConsumers>
+          template <class, class, class> class Consumers_ = CooperativeConsumers,
+          int kClusterM_ = 1>
 struct MoeGemm {
   using Tile = Tile_;
   using ALoad = ALoad_;
@@ -41,8 +62,10 @@ struct MoeGemm {
   using Epilogue = Epilogue_;
   using Scheduler = Scheduler_;
   using Consumers = Consumers_<Tile, typename ALoad::Layout, typename BLoad::Layout>;
+  static constexpr int kClusterM = kClusterM_;
   using Mainloop =
-      WarpgroupMainloop<Tile, Consumers, ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites>;
+      WarpgroupMainloop<Tile, Consumers, ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites,
+                        kClusterM>;
 
   static constexpr int kThreads = 128 * (1 + Consumers::kWarpgroups);
   static constexpr int kProducerThreads =
@@ -58,7 +81,11 @@ struct MoeGemm {
   static constexpr int kConsumerRegs = ((kThreads / 128 * 168 - kProducerRegs) / 2) / 8 * 8;
   static constexpr uint32_t kFullArrivals = 1 + ALoad::kFullArrivals + BLoad::kFullArrivals;
   static constexpr uint32_t kStageTmaBytes = ALoad::kTmaBytes + BLoad::kTmaBytes;
-  static constexpr uint32_t kEmptyArrivals = 128 * Consumers::kWarpgroupsPerStage;
+  // Every consumer thread arrives; in a cluster one lane per consumer warp of each CTA
+  // (StageRing::consumer_release_cluster).
+  static constexpr uint32_t kEmptyArrivals = kClusterM == 1
+                                                 ? 128 * Consumers::kWarpgroupsPerStage
+                                                 : 4 * Consumers::kWarpgroupsPerStage * kClusterM;
 
   static_assert(Epilogue::kNumB == Tile::kNumB, "the epilogue reads the stage's weight tiles");
   static_assert(kConsumerRegs >= 224, "the consumers keep their accumulators in registers");
@@ -71,6 +98,9 @@ struct MoeGemm {
                 "padding rows are rows of M-grouped tiles");
 
   static_assert(BLoad::kExtraSmemBytes % 1024 == 0, "the stage buffers after it stay aligned");
+  static_assert(kClusterM == 1 || kClusterM == 2, "clusters of one or two CTAs along M");
+  static_assert(splits_b<BLoad>(kClusterM),
+                "a cluster splits the B tile's TMA boxes between its CTAs");
 
   // The B loader's own shared memory (its staging, mxfp8_loaders.cuh), the ring, then
   // (ping-pong) the two turn barriers.
@@ -99,6 +129,17 @@ struct ConsumerTurns {
   }
 };
 
+// B loaders that can split their tile take the cluster's BoxShare; the others copy it whole.
+template <class BLoad>
+__device__ __forceinline__ void load_b(BLoad& b_load, const MoeGemmParams& p,
+                                       const CUtensorMap* map, uint8_t* smem_b, uint64_t* full,
+                                       int kb, const BoxShare& share) {
+  if constexpr (BLoad::kMulticast)
+    b_load.load(p, map, smem_b, full, kb, share);
+  else
+    b_load.load(p, map, smem_b, full, kb);
+}
+
 template <class Kernel>
 __global__ void __launch_bounds__(Kernel::kThreads, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
@@ -121,6 +162,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   const StageRing ring(smem_b + size_t(stages) * Tile::kBBytes, stages);
   uint64_t* turn_barriers = ring.empty + stages;
 
+  constexpr bool kCluster = Kernel::kClusterM > 1;
   const int warpgroup = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
@@ -135,41 +177,71 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     if constexpr (BLoad::kTmaBytes > 0 || BLoad::kExtraSmemBytes > 0)  // staged by TMA too
       tma_prefetch_descriptor(&tmap_b);
   }
-  __syncthreads();
+  // Both CTAs' barriers are initialized before either copies into or arrives on the other's.
+  if constexpr (kCluster)
+    cluster_sync();
+  else
+    __syncthreads();
 
-  const Scheduler sched(p, Tile::kBlockM, Tile::kBlockN);
+  const Scheduler sched(p, Tile::kBlockM, Tile::kBlockN, Kernel::kClusterM);
   const int num_tiles = sched.num_tiles();
   RingState rs;
   MoeWorkTile w;
 
   if (warpgroup == 0) {
     setmaxnreg_dec<Kernel::kProducerRegs>();
-    if (tid >= Kernel::kProducerThreads) return;
-    ALoad a_load(tid);
-    BLoad b_load(tid);
-    b_load.attach(smem_extra);
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      if (!sched.work(t, p, w)) continue;
-      if (tid < ALoad::kThreads) a_load.start_tile(p, sched.npp, w);
-      if (tid < BLoad::kThreads) b_load.start_tile(p, sched.npp, w);
-      for (int kb = 0; kb < w.num_k_blocks; ++kb) {
-        ring.producer_acquire(rs);
-        uint64_t* full = ring.full_barrier(rs);
-        if (tid == 0) mbarrier_arrive_expect_tx(full, Kernel::kStageTmaBytes);
-        // TMA (one thread) before the gathers, so thread 0's copies are not queued behind
-        // its share of a gather.
-        if constexpr (ALoad::kThreads <= BLoad::kThreads) {
-          if (tid < ALoad::kThreads)
-            a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
-          if (tid < BLoad::kThreads)
-            b_load.load(p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb);
-        } else {
-          if (tid < BLoad::kThreads)
-            b_load.load(p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb);
-          if (tid < ALoad::kThreads)
-            a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
+    if (tid < Kernel::kProducerThreads) {
+      ALoad a_load(tid);
+      BLoad b_load(tid);
+      b_load.attach(smem_extra);
+      // Tile t's cluster partner is t ^ 1 (the scheduler pairs them; blockIdx.x % 2 is the
+      // CTA's rank, and gridDim.x is even).
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const bool has_tile = sched.work(t, p, w);
+        BoxShare share;
+        if constexpr (kCluster) {
+          MoeWorkTile pw;
+          const bool partner_has_tile = sched.work(t ^ 1, p, pw);
+          if (has_tile && partner_has_tile && pw.expert == w.expert && pw.n0 == w.n0)
+            share = BoxShare{t & 1, 2};
+        } else if (!has_tile) {
+          continue;
         }
-        rs.advance(stages);
+        if (has_tile) {
+          if (tid < ALoad::kThreads) a_load.start_tile(p, sched.npp, w);
+          if (tid < BLoad::kThreads) b_load.start_tile(p, sched.npp, w);
+        }
+        for (int kb = 0; kb < w.num_k_blocks; ++kb) {
+          ring.producer_acquire(rs);
+          uint64_t* full = ring.full_barrier(rs);
+          if constexpr (kCluster) {
+            if (!has_tile) {  // a cluster's missing tile: the stage passes through empty
+              if (tid == 0) mbarrier_arrive(full);
+              if (tid < ALoad::kThreads) ALoad::arrive_empty(full);
+              if (tid < BLoad::kThreads) BLoad::arrive_empty(full);
+              rs.advance(stages);
+              continue;
+            }
+          }
+          // The partner's half of a shared B tile lands on this barrier too.
+          if (tid == 0) mbarrier_arrive_expect_tx(full, Kernel::kStageTmaBytes);
+          // TMA (one thread) before the gathers, so thread 0's copies are not queued behind
+          // its share of a gather.
+          if constexpr (ALoad::kThreads <= BLoad::kThreads) {
+            if (tid < ALoad::kThreads)
+              a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
+            if (tid < BLoad::kThreads)
+              load_b(b_load, p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb,
+                     share);
+          } else {
+            if (tid < BLoad::kThreads)
+              load_b(b_load, p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb,
+                     share);
+            if (tid < ALoad::kThreads)
+              a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
+          }
+          rs.advance(stages);
+        }
       }
     }
   } else {
@@ -180,19 +252,26 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     constexpr int kRows = 64 * Consumers::kMmaM;  // rows of the tile this warpgroup holds
     ConsumerTurns turns{turn_barriers};
     typename Mainloop::Accumulators acc;
-    int seq = 0;  // the tile's place among the CTA's tiles with work
+    int seq = 0;  // the tile's place among the CTA's tiles (a cluster's missing ones too)
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      if (!sched.work(t, p, w)) continue;
+      const bool has_tile = sched.work(t, p, w);
+      if (!kCluster && !has_tile) continue;  // in a cluster its stages still pass (producer)
       const int this_seq = seq++;
       if constexpr (Consumers::kPingPong) {
         if (this_seq % 2 != consumer) {  // the other warpgroup's tile: its stages too
           rs.advance(stages, w.num_k_blocks);
           continue;
         }
-        if (this_seq > 0) turns.wait_turn(consumer);
       }
       const int row0 = w.row0 + m_offset;
       const int col0 = w.n0 + n_offset;
+      if constexpr (Consumers::kPingPong)
+        if (this_seq > 0) turns.wait_turn(consumer);
+      if (!has_tile) {  // a cluster's missing tile: nothing to compute or store
+        Mainloop::skip(ring, rs, w.num_k_blocks);
+        if constexpr (Consumers::kPingPong) turns.pass_turn(consumer);
+        continue;
+      }
       bool has_work = w.num_k_blocks > 0;
       bool skipped = false;
       if constexpr (Scheduler::kMGrouped) {
@@ -218,6 +297,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
         Kernel::Epilogue::store(p, sched.npp, acc[mh], has_work, w, row0 + 64 * mh, col0);
     }
   }
+  // The partner may still copy into this CTA's stages or arrive on its barriers until both
+  // are done: neither exits before.
+  if constexpr (kCluster) cluster_sync();
 }
 
 }  // namespace prime_moe

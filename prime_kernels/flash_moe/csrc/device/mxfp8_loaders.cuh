@@ -33,7 +33,7 @@
 // the down GEMM when D % kBlockN != 0) reads the expert's last block instead: those weight rows
 // only make output columns the epilogue drops.
 //
-// Measured (H200, benchmarks/flash_moe_mxfp8.py, split=True, against our bf16 forward): exact
+// Measured (H200, benchmarks/flash_moe.py, MXFP8 rows, split=True, vs our bf16 forward): exact
 // (every test against the exact-MX emulation within 3e-3) but 0.56-0.67x of bf16's speed at
 // Qwen3-30B-A3B, DeepSeek-V3-32 and Mixtral-8x7B, T = 64 to 32768; at T = 64 the fp8 bytes move
 // at 28-31% of the copy rate. Where the time goes, by arithmetic: at full MMA rate a 128 x
@@ -105,6 +105,7 @@ struct Mxfp8WeightTiles {
   static constexpr uint32_t kFullArrivals = kThreads;  // every thread after its widened rows
   static constexpr uint32_t kTmaBytes = 0;             // the stage is written by the threads
   static constexpr bool kGenericProxyWrites = true;
+  static constexpr bool kMulticast = false;  // widened by this CTA's threads
   // The gather's row offsets and this loader's state share the producer's registers: 56 leaves
   // the consumers (3 * 168 - 56) / 2 = 224, as 48 would after rounding down to a multiple of 8.
   static constexpr int kProducerRegs = 56;

@@ -6,6 +6,10 @@
 //   ExpertKScheduler     K-grouped: (expert, m tile, n tile) of a weight gradient, K the
 //                        expert's padded rows. One CTA owns an output tile for the whole
 //                        reduction: no split, no atomics, so the sum's order is fixed.
+// For 2-CTA clusters (cluster_m = 2) both count tiles in pairs, tile 2i + r for the cluster's
+// CTA r: the two tiles of a pair are consecutive M (blocks, or m tiles) at the same n, so
+// they read the same B tile when their expert is the same (moe_gemm.cuh). work() is false
+// for a pair's missing tile (past the last block or m tile) but still gives its K steps.
 #pragma once
 
 #include <cstdint>
@@ -42,30 +46,35 @@ struct MoeTileScheduler {
   int num_blocks;   // blocks of block_m rows holding rows below npp
   int num_n_tiles;  // ceil(n_dim / block_n)
   int block_m, block_n;
+  int cluster_m;        // tiles per pair: 1, or 2 for 2-CTA clusters
+  int num_block_pairs;  // ceil(num_blocks / cluster_m)
 
   // The most tiles any routing can give (sizes the persistent grid on the host).
-  static int64_t max_tiles(const MoeGemmParams& p, int block_m, int block_n) {
-    return int64_t(p.max_padded / block_m) * ((p.n_dim + block_n - 1) / block_n);
+  static int64_t max_tiles(const MoeGemmParams& p, int block_m, int block_n, int cluster_m) {
+    const int64_t pairs = (p.max_padded / block_m + cluster_m - 1) / cluster_m;
+    return pairs * cluster_m * ((p.n_dim + block_n - 1) / block_n);
   }
 
-  __device__ MoeTileScheduler(const MoeGemmParams& p, int block_m_, int block_n_)
-      : npp(clamp_npp(p)), block_m(block_m_), block_n(block_n_) {
+  __device__ MoeTileScheduler(const MoeGemmParams& p, int block_m_, int block_n_, int cluster_m_)
+      : npp(clamp_npp(p)), block_m(block_m_), block_n(block_n_), cluster_m(cluster_m_) {
     num_blocks = (npp + block_m - 1) / block_m;
     num_n_tiles = (p.n_dim + block_n - 1) / block_n;
+    num_block_pairs = (num_blocks + cluster_m - 1) / cluster_m;
   }
 
-  __device__ int num_tiles() const { return num_blocks * num_n_tiles; }
+  __device__ int num_tiles() const { return num_block_pairs * cluster_m * num_n_tiles; }
 
   // False for a block whose expert id is outside [0, E) (skipped by producer and
-  // consumers alike).
+  // consumers alike) and for a pair's block past the last.
   __device__ bool work(int t, const MoeGemmParams& p, MoeWorkTile& w) const {
-    const int group_tiles = num_blocks * kGroup;
-    const int group = t / group_tiles;
+    const int pair = t / cluster_m;
+    const int group_tiles = num_block_pairs * kGroup;
+    const int group = pair / group_tiles;
     const int first_n = group * kGroup;
     const int width = min(kGroup, num_n_tiles - first_n);  // the last group may be narrower
-    const int within = t - group * group_tiles;
-    const int block = within / width;
-    w.expert = block_expert(p, block);
+    const int within = pair - group * group_tiles;
+    const int block = within / width * cluster_m + t % cluster_m;
+    w.expert = block < num_blocks ? block_expert(p, block) : -1;
     w.row0 = block * block_m;
     w.n0 = (first_n + within % width) * block_n;
     w.k_row0 = 0;
@@ -80,34 +89,44 @@ struct ExpertKScheduler {
   int npp;
   int num_m_tiles, num_n_tiles, num_experts;
   int block_m, block_n;
+  int cluster_m;    // tiles per pair: 1, or 2 for 2-CTA clusters
+  int num_m_pairs;  // ceil(num_m_tiles / cluster_m)
 
-  static int64_t max_tiles(const MoeGemmParams& p, int block_m, int block_n) {
-    return int64_t(p.num_experts) * ((p.m_dim + block_m - 1) / block_m) *
-           ((p.n_dim + block_n - 1) / block_n);
+  static int64_t max_tiles(const MoeGemmParams& p, int block_m, int block_n, int cluster_m) {
+    const int64_t m_pairs = ((p.m_dim + block_m - 1) / block_m + cluster_m - 1) / cluster_m;
+    return int64_t(p.num_experts) * m_pairs * cluster_m * ((p.n_dim + block_n - 1) / block_n);
   }
 
-  __device__ ExpertKScheduler(const MoeGemmParams& p, int block_m_, int block_n_)
-      : npp(clamp_npp(p)), num_experts(p.num_experts), block_m(block_m_), block_n(block_n_) {
+  __device__ ExpertKScheduler(const MoeGemmParams& p, int block_m_, int block_n_, int cluster_m_)
+      : npp(clamp_npp(p)),
+        num_experts(p.num_experts),
+        block_m(block_m_),
+        block_n(block_n_),
+        cluster_m(cluster_m_) {
     num_m_tiles = (p.m_dim + block_m - 1) / block_m;
     num_n_tiles = (p.n_dim + block_n - 1) / block_n;
+    num_m_pairs = (num_m_tiles + cluster_m - 1) / cluster_m;
   }
 
-  __device__ int num_tiles() const { return num_experts * num_m_tiles * num_n_tiles; }
+  __device__ int num_tiles() const { return num_experts * num_m_pairs * cluster_m * num_n_tiles; }
 
   // Expert-major, then m, then n: the CTAs working at once share an expert, so its gathered
   // token rows and its workspace rows are read from L2 by every tile that needs them. An
-  // expert with no rows still owns its tiles: they store zeros.
+  // expert with no rows still owns its tiles: they store zeros. False only for a pair's m
+  // tile past the last.
   __device__ bool work(int t, const MoeGemmParams& p, MoeWorkTile& w) const {
-    const int per_expert = num_m_tiles * num_n_tiles;
-    w.expert = t / per_expert;
-    const int within = t - w.expert * per_expert;
-    w.row0 = (within / num_n_tiles) * block_m;
+    const int pair = t / cluster_m;
+    const int per_expert = num_m_pairs * num_n_tiles;
+    w.expert = pair / per_expert;
+    const int within = pair - w.expert * per_expert;
+    const int m_tile = within / num_n_tiles * cluster_m + t % cluster_m;
+    w.row0 = m_tile * block_m;
     w.n0 = (within % num_n_tiles) * block_n;
     const int begin = p.segments[w.expert];
     const int end = min(p.segments[num_experts + w.expert], npp);
     w.k_row0 = begin;
     w.num_k_blocks = end > begin ? (end - begin) / 64 : 0;
-    return true;
+    return m_tile < num_m_tiles;
   }
 };
 
