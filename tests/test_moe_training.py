@@ -218,6 +218,18 @@ def test_against_reference(flash_moe, seed, T, D, H, E, k, kind):
     check(flash_moe, *make_inputs(T, D, H, E, k, kind, seed))
 
 
+def test_num_sms_cap(flash_moe, seed):
+    """set_num_sms caps the backward's GEMMs too. They run in clusters of two CTAs: a cap of 1
+    still gets one cluster (two SMs), an odd cap one SM fewer."""
+    inputs, grad_out = make_inputs(1000, 512, 256, 16, 4, "uniform", seed)
+    try:
+        for cap in (1, 5):
+            flash_moe.set_num_sms(cap)
+            check(flash_moe, inputs, grad_out)
+    finally:
+        flash_moe.set_num_sms(0)
+
+
 @pytest.mark.sanitize
 @pytest.mark.parametrize(
     ("T", "D", "H", "E", "k", "kind"),

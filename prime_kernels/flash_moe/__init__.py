@@ -50,7 +50,9 @@ __all__ = [
 def set_num_sms(num_sms: int) -> None:
     """Caps the SMs the persistent GEMM kernels use (0, the default: every SM), so that
     kernels running alongside (communication, say) keep the rest. Process-wide; takes
-    effect at the next call (a CUDA graph keeps the grid it captured)."""
+    effect at the next call (a CUDA graph keeps the grid it captured). The backward's GEMMs
+    run in clusters of two CTAs: under an odd cap they use one SM fewer, under a cap of 1
+    two."""
     if not EXTENSION_BUILT:
         raise RuntimeError("flash_moe is not compiled into this install")
     _constants.set_num_sms(int(num_sms))

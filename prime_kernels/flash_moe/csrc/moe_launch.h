@@ -44,17 +44,20 @@ inline bool aligned16(const void* ptr) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
 }
 
-// How many 2-CTA clusters of Kernel with `stages` stages the device runs at once (not every
-// SM pairs up: clusters live inside a GPC). Asked once per kernel, device and ring depth.
+// How many clusters of Kernel with `stages` stages the device runs at once (not every SM
+// pairs up: clusters live inside a GPC), into *clusters. Needs Kernel's dynamic shared memory
+// attribute set first (launch_gemm). Asked once per kernel, device and ring depth (a failed
+// query is not kept).
 template <class Kernel>
-int max_active_clusters(int device, int stages) {
+cudaError_t max_active_clusters(int device, int stages, int* clusters) {
   constexpr int kDevices = 64, kDepths = 16;
   static std::atomic<int> known[kDevices][kDepths] = {};
   const bool cached = device >= 0 && device < kDevices && stages >= 0 && stages < kDepths;
-  if (cached && known[device][stages].load(std::memory_order_relaxed) > 0)
-    return known[device][stages].load(std::memory_order_relaxed);
+  if (cached && (*clusters = known[device][stages].load(std::memory_order_relaxed)) > 0)
+    return cudaSuccess;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(2 * device_attribute(cudaDevAttrMultiProcessorCount, device));
+  config.gridDim =
+      dim3(Kernel::kClusterM * device_attribute(cudaDevAttrMultiProcessorCount, device));
   config.blockDim = dim3(Kernel::kThreads);
   config.dynamicSmemBytes = Kernel::smem_bytes(stages);
   cudaLaunchAttribute cluster;
@@ -64,11 +67,12 @@ int max_active_clusters(int device, int stages) {
   cluster.val.clusterDim.z = 1;
   config.attrs = &cluster;
   config.numAttrs = 1;
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, moe_gemm_kernel<Kernel>, &config) != cudaSuccess)
-    return 0;
-  if (cached) known[device][stages].store(clusters, std::memory_order_relaxed);
-  return clusters;
+  const cudaError_t err =
+      cudaOccupancyMaxActiveClusters(clusters, moe_gemm_kernel<Kernel>, &config);
+  if (err != cudaSuccess) return err;
+  if (*clusters < 1) return cudaErrorInvalidConfiguration;  // the cluster fits no GPC
+  if (cached) known[device][stages].store(*clusters, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 
 template <class Kernel>
@@ -81,7 +85,9 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
-  // Persistent: one CTA per SM (or fewer when even the largest routing has fewer tiles).
+  // Persistent: one CTA per SM (or fewer when even the largest routing has fewer tiles); in
+  // clusters, as many whole clusters as fit the SMs at once, at least one (set_num_sms(1) gets
+  // one cluster of two CTAs).
   const int64_t max_tiles =
       Kernel::Scheduler::max_tiles(params, Tile::kBlockM, Tile::kBlockN, kClusterM);
   if constexpr (kClusterM == 1) {
@@ -89,12 +95,11 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
     kernel<<<grid, Kernel::kThreads, smem, stream>>>(tmap_a, tmap_b, params);
     return cudaGetLastError();
   } else {
-    int device = 0;
+    int device = 0, fit = 0;
     if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
-    const int64_t clusters =
-        std::min<int64_t>({int64_t(max_active_clusters<Kernel>(device, params.stages)),
-                           num_sms / kClusterM, max_tiles / kClusterM});
-    if (clusters < 1) return cudaErrorInvalidConfiguration;
+    if ((err = max_active_clusters<Kernel>(device, params.stages, &fit)) != cudaSuccess) return err;
+    const int64_t clusters = std::max<int64_t>(
+        1, std::min<int64_t>({int64_t(fit), num_sms / kClusterM, max_tiles / kClusterM}));
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(unsigned(clusters * kClusterM));
     config.blockDim = dim3(Kernel::kThreads);

@@ -1,5 +1,5 @@
-// Thread-block cluster helpers (sm_90): a CTA's rank in its cluster, the cluster-wide
-// barrier, and arrivals on another CTA's mbarrier (distributed shared memory).
+// Thread-block cluster helpers (sm_90): the cluster-wide barrier, and arrivals on another
+// CTA's mbarrier (distributed shared memory).
 #pragma once
 
 #include <cstdint>
@@ -7,12 +7,6 @@
 #include "prime_kernels/mbarrier.cuh"
 
 namespace prime_kernels {
-
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  return rank;
-}
 
 // Every thread of every CTA of the cluster: what each did to shared memory (barrier
 // inits included) is visible to the others after it. A CTA must not exit while another

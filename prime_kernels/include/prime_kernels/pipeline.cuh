@@ -68,8 +68,8 @@ struct StageRing {
   }
   // The same in a cluster of kCtas CTAs that copy into each other's stages (TMA multicast): a
   // stage may be refilled only when the consumers of every CTA are done with it, so lane c of
-  // each consumer warp arrives on CTA c's barrier (empty_arrivals: consumer warps x kCtas). A
-  // warp's lanes leave wgmma's wait together, so one lane speaks for the warp.
+  // each consumer warp that read the stage arrives on CTA c's barrier (empty_arrivals: those
+  // warps x kCtas). A warp's lanes leave wgmma's wait together, so one lane speaks for it.
   template <int kCtas>
   __device__ __forceinline__ void consumer_release_cluster(int stage) const {
     const uint32_t lane = threadIdx.x % 32;

@@ -64,7 +64,7 @@ struct BoxShare {
 // What every TMA loader shares: one thread, completion counted in bytes, async-proxy writes.
 struct TmaLoader {
   static constexpr int kThreads = 1;
-  static constexpr bool kMulticast = true;
+  static constexpr bool kMulticast = false;  // a B loader whose boxes split says true
   static constexpr int kProducerRegs = 40;
   static constexpr uint32_t kFullArrivals = 0;
   static constexpr bool kGenericProxyWrites = false;
@@ -84,6 +84,7 @@ struct TmaLoader {
 template <class Tile>
 struct TmaWeightTiles : TmaLoader {
   using Layout = prime_kernels::SmemKMajor;
+  static constexpr bool kMulticast = true;
   static constexpr uint32_t kTmaBytes = Tile::kBBytes;
   static constexpr int kBoxes = Tile::kNumB;
 
@@ -116,6 +117,7 @@ struct TmaWeightTiles : TmaLoader {
 template <class Tile>
 struct TmaWeightTilesMN : TmaLoader {
   using Layout = prime_kernels::SmemMNMajor;
+  static constexpr bool kMulticast = true;
   static constexpr uint32_t kTmaBytes = Tile::kBBytes;
   static_assert(Tile::kNumB == 1 && Tile::kBlockN % 64 == 0, "whole 64-column chunks");
 
@@ -247,6 +249,7 @@ template <class Tile, Side kSide>
 struct TmaRowsAlongK : TmaLoader {
   static constexpr int kCols = kSideColumns<Tile, kSide>;
   using Layout = prime_kernels::SmemMNMajor;
+  static constexpr bool kMulticast = true;
   static constexpr uint32_t kTmaBytes = kCols * Tile::kBlockK * 2;
   static_assert(kCols % 64 == 0, "whole 64-column boxes");
 

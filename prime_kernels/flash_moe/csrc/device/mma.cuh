@@ -31,8 +31,8 @@ struct WarpgroupMainloop {
       ring.consumer_release_cluster<kClusterCtas>(stage);
   }
 
-  // A tile this warpgroup has no work in (a 64-row half of padding) only passes its
-  // stages through, so the ring stays in step with the producer.
+  // A tile this warpgroup has no work in (a 64-row half of padding, or a cluster's missing
+  // tile) only passes its stages through, so the ring stays in step with the producer.
   __device__ __forceinline__ static void skip(const prime_kernels::StageRing& ring,
                                               prime_kernels::RingState& rs, int num_k_blocks) {
     for (int kb = 0; kb < num_k_blocks; ++kb) {

@@ -202,8 +202,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
         if constexpr (kCluster) {
           MoeWorkTile pw;
           const bool partner_has_tile = sched.work(t ^ 1, p, pw);
-          if (has_tile && partner_has_tile && pw.expert == w.expert && pw.n0 == w.n0)
-            share = BoxShare{t & 1, 2};
+          // The pair shares n (the scheduler's order); both CTAs decide this from the same
+          // routing, so they agree (a disagreement would hang both, not miscompute).
+          if (has_tile && partner_has_tile && pw.expert == w.expert) share = BoxShare{t & 1, 2};
         } else if (!has_tile) {
           continue;
         }

@@ -53,8 +53,8 @@ __device__ __forceinline__ int routed_pair(const MoeGemmParams& p, int npp, int 
   return (pair >= 0 && pair < p.num_pairs) ? pair : -1;
 }
 
-// A block whose expert id is outside [0, E) (past the padded total, or garbage) is skipped
-// by producer and consumers alike.
+// A block whose expert id is outside [0, E) (past the padded total, or garbage) has no work:
+// producer and consumers skip it (in a cluster, pass its stages through empty).
 __device__ __forceinline__ int block_expert(const MoeGemmParams& p, int block) {
   const int expert = p.expert_ids[block];
   return (expert >= 0 && expert < p.num_experts) ? expert : -1;

@@ -64,8 +64,8 @@ struct MoeTileScheduler {
 
   __device__ int num_tiles() const { return num_block_pairs * cluster_m * num_n_tiles; }
 
-  // False for a block whose expert id is outside [0, E) (skipped by producer and
-  // consumers alike) and for a pair's block past the last.
+  // False for a block whose expert id is outside [0, E) and for a pair's block past the
+  // last: no work (single CTAs skip it; in a cluster its stages pass through empty).
   __device__ bool work(int t, const MoeGemmParams& p, MoeWorkTile& w) const {
     const int pair = t / cluster_m;
     const int group_tiles = num_block_pairs * kGroup;
