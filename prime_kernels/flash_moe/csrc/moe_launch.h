@@ -69,7 +69,10 @@ cudaError_t max_active_clusters(int device, int stages, int* clusters) {
   config.numAttrs = 1;
   const cudaError_t err =
       cudaOccupancyMaxActiveClusters(clusters, moe_gemm_kernel<Kernel>, &config);
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // returned here: not left for the next launch check to find
+    return err;
+  }
   if (*clusters < 1) return cudaErrorInvalidConfiguration;  // the cluster fits no GPC
   if (cached) known[device][stages].store(*clusters, std::memory_order_relaxed);
   return cudaSuccess;
