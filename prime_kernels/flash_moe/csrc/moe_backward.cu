@@ -47,10 +47,10 @@ using WideTile = MoeGemmTile<128, 256, 1>;
 // Every GEMM runs in 2-CTA clusters that share the B tile of two M-consecutive tiles (the
 // weight tile of two blocks of one expert; for a weight gradient the same rows of y1s or
 // x), moe_gemm.cuh: a CTA reads a third (dxe, dW2, dW) or a quarter (dh) less from L2 per
-// K step. Measured against single CTAs (H200, benchmarks/ab.py --mode train, 3 rounds):
-// Qwen3-30B-A3B 0.995 / 1.000 and Mixtral-8x7B 0.999 / 1.026 at T = 8192 / 32768; ncu
-// had put L2 at 58-75% of its peak, so there was little to win. (The forward's GEMMs ran
-// 3.5% slower in clusters and stay single.)
+// K step. Measured against single CTAs (H200, benchmarks/ab.py --mode train, 3 rounds, with
+// the forward's GEMMs in clusters too): Qwen3-30B-A3B 0.995 / 1.000 and Mixtral-8x7B 0.999 /
+// 1.026 at T = 8192 / 32768; ncu had put L2 at 58-75% of its peak, so there was little to
+// win. (The forward's GEMMs ran 3.5% slower in clusters, forward op alone, and stay single.)
 constexpr int kClusterM = 2;
 using DhKernel = MoeGemm<DhTile, TmaRows<DhTile>, SwiGluBackward, TmaWeightTilesMN<DhTile>,
                          MoeTileScheduler, PingPongConsumers, kClusterM>;

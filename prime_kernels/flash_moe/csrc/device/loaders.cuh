@@ -50,7 +50,7 @@ struct BoxShare {
   int parts = 1;
 
   __device__ __forceinline__ bool copies(int box, int boxes) const {
-    return parts == 1 || box / (boxes / 2) == part;
+    return box * parts / boxes == part;
   }
   __device__ __forceinline__ void copy(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col,
                                        int row) const {
