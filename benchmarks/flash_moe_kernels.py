@@ -35,7 +35,7 @@ KERNELS = (
     ("ExpertKScheduler", "dW2 + dW", 6),
     ("StoreRows, prime_moe::TmaWeightTilesMN", "dxe", 4),
     ("moe_combine_kernel", "combine (out, then dx)", 0),
-    ("moe_gather_rows_kernel", "dO, x in padded-row order (dh, dW2; dW)", 0),
+    ("moe_scatter_rows_kernel", "dO, x in padded-row order (dh, dW2; dW)", 0),
     ("moe_routing_weight_grad_kernel", "routing-weight gradient", 0),
     ("moe_expert_segments_kernel", "expert segments", 0),
     ("moe_align", "moe_align", 0),

@@ -4,7 +4,7 @@
 // Per routed pair p = (t, j) of expert e in padded row r, with s its routing weight and
 // g, u the kept pre-activations (z):
 //   segments  expert e's padded rows, for the K-grouped weight gradients;
-//   dOs       dO's token rows copied into padded-row order (moe_gather_rows_kernel), so
+//   dOs       dO's token rows copied into padded-row order (moe_scatter_rows_kernel), so
 //             that dh and dW2 read it by TMA;
 //   dh        dh' = dOs w2_e (rows x H x D; w2 read transposed, MN-major), epilogue
 //             SwiGluBackward: dz = [dg | du], y1s = bf16(s h), <dh', h> per H slice;
@@ -41,16 +41,16 @@ using DhTile = MoeGemmTile<128, 128, 1>;
 using WideTile = MoeGemmTile<128, 256, 1>;
 
 // Every operand in padded-row order is read by TMA. dO and x are first copied into that
-// order (moe_gather_rows_kernel, a read and a write of the rows): gathering their token
-// rows inside the GEMMs by cp.async held dh at ~370 TFLOP/s and dW2 at ~290 (Qwen3-30B-A3B
-// T = 32768), the gather's rate, not the tensor cores'.
-// Every GEMM runs in 2-CTA clusters that share the B tile of two M-consecutive tiles (the
-// weight tile of two blocks of one expert; for a weight gradient the same rows of y1s or
-// x), moe_gemm.cuh: a CTA reads a third (dxe, dW2, dW) or a quarter (dh) less from L2 per
-// K step. Measured against single CTAs (H200, benchmarks/ab.py --mode train, 3 rounds, with
-// the forward's GEMMs in clusters too): Qwen3-30B-A3B 0.995 / 1.000 and Mixtral-8x7B 0.999 /
-// 1.026 at T = 8192 / 32768; ncu had put L2 at 58-75% of its peak, so there was little to
-// win. (The forward's GEMMs ran 3.5% slower in clusters, forward op alone, and stay single.)
+// order (moe_scatter_rows_kernel: a read of the token rows, a write of the padded rows):
+// gathering their token rows inside the GEMMs by cp.async held dh at ~370 TFLOP/s and dW2 at ~290
+// (Qwen3-30B-A3B T = 32768), the gather's rate, not the tensor cores'. Every GEMM runs in 2-CTA
+// clusters that share the B tile of two M-consecutive tiles (the weight tile of two blocks of one
+// expert; for a weight gradient the same rows of y1s or x), moe_gemm.cuh: a CTA reads a third (dxe,
+// dW2, dW) or a quarter (dh) less from L2 per K step. Measured against single CTAs (H200,
+// benchmarks/ab.py --mode train, 3 rounds, with the forward's GEMMs in clusters too): Qwen3-30B-A3B
+// 0.995 / 1.000 and Mixtral-8x7B 0.999 / 1.026 at T = 8192 / 32768; ncu had put L2 at 58-75% of its
+// peak, so there was little to win. (The forward's GEMMs ran 3.5% slower in clusters, forward op
+// alone, and stay single.)
 constexpr int kClusterM = 2;
 using DhKernel = MoeGemm<DhTile, TmaRows<DhTile>, SwiGluBackward, TmaWeightTilesMN<DhTile>,
                          MoeTileScheduler, PingPongConsumers, kClusterM>;
@@ -167,20 +167,15 @@ cudaError_t launch_expert_segments(const MoeBackwardProblem& pr, const Workspace
 
 // Columns [col0, col0 + cols) of src's token rows (T, D): x or dO, into padded-row order in
 // dst (max_padded, cols), zeros in padding rows.
-cudaError_t launch_gather_rows(const MoeBackwardProblem& pr, const __nv_bfloat16* src, int col0,
-                               int cols, __nv_bfloat16* dst, cudaStream_t stream) {
-  const GatherRowsParams gp{src,
-                            pr.sorted_token_ids,
-                            pr.num_tokens_post_padded,
-                            dst,
-                            int(pr.dim),
-                            col0,
-                            cols,
-                            int(pr.top_k),
-                            int(pr.num_tokens * pr.top_k),
-                            int(pr.max_padded)};
-  moe_gather_rows_kernel<<<unsigned((pr.max_padded + kGatherRowsPerCta - 1) / kGatherRowsPerCta),
-                           kGatherRowsThreads, 0, stream>>>(gp);
+cudaError_t launch_scatter_rows(const MoeBackwardProblem& pr, const __nv_bfloat16* src, int col0,
+                                int cols, __nv_bfloat16* dst, cudaStream_t stream) {
+  const ScatterRowsParams sp{
+      src,  pr.sorted_token_ids, pr.pair_to_row, pr.num_tokens_post_padded, dst, int(pr.dim), col0,
+      cols, int(pr.num_tokens),  int(pr.top_k),  int(pr.max_padded)};
+  const int64_t token_ctas = (pr.num_tokens + kScatterRowsWarps - 1) / kScatterRowsWarps;
+  const int64_t zero_ctas = (pr.max_padded + 32 * kScatterRowsWarps - 1) / (32 * kScatterRowsWarps);
+  moe_scatter_rows_kernel<<<unsigned(token_ctas + zero_ctas), kScatterRowsThreads, 0, stream>>>(
+      sp, int(token_ctas));
   return cudaGetLastError();
 }
 
@@ -252,7 +247,8 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
 
   if (pr.dw2 != nullptr)
     if ((err = launch_expert_segments(pr, ws, stream)) != cudaSuccess) return err;
-  if ((err = launch_gather_rows(pr, pr.grad_out, 0, D, sc.rows, stream)) != cudaSuccess) return err;
+  if ((err = launch_scatter_rows(pr, pr.grad_out, 0, D, sc.rows, stream)) != cudaSuccess)
+    return err;
 
   using prime_kernels::make_tma_2d_bf16_sw128;
   CUtensorMap tmap_w2_t, tmap_w_t, tmap_dos_rows, tmap_dos_k, tmap_y1s_k, tmap_dz_rows;
@@ -346,7 +342,7 @@ cudaError_t launch_moe_backward_dw(const MoeBackwardProblem& pr, void* workspace
   // [col0, col0 + chunk) of every expert = dz^T xs (the copy of the next slice waits, in
   // stream order, for this GEMM to have read xs).
   for (int col0 = 0; col0 < D; col0 += chunk) {
-    if ((err = launch_gather_rows(pr, pr.x, col0, chunk, xs, stream)) != cudaSuccess) return err;
+    if ((err = launch_scatter_rows(pr, pr.x, col0, chunk, xs, stream)) != cudaSuccess) return err;
     CUtensorMap tmap_xs_k;
     if ((err = make_tma_2d_bf16_sw128(&tmap_xs_k, xs, rows, chunk, 64)) != cudaSuccess) return err;
     MoeGemmParams dw = routing_params(pr, ws);

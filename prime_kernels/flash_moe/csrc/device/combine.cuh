@@ -6,7 +6,7 @@
 // stores, one CTA per token.
 // moe_routing_weight_grad_kernel: the backward's ds[p] = sum_n ds_part[p][n] in order
 // n = 0.., 0 for a dropped pair.
-// moe_gather_rows_kernel, the combine's inverse: dst[r] = src[token of the pair in padded
+// moe_scatter_rows_kernel, the combine's inverse: dst[r] = src[token of the pair in padded
 // row r] (a slice of its columns), zeros in padding rows, so that a K-grouped GEMM reads both
 // operands by TMA (the backward's dW: gathering x along K inside the GEMM ran at 190 TFLOP/s, TMA
 // rows at 600).
@@ -85,32 +85,83 @@ static __global__ void __launch_bounds__(kRoutingGradThreads)
   ds[pair] = sum;
 }
 
-struct GatherRowsParams {
+struct ScatterRowsParams {
   const __nv_bfloat16* src;               // (T, D)
   const int32_t* sorted_token_ids;        // (max_padded,) flat pair index or -1
+  const int32_t* pair_to_row;             // (T * k,) padded row or -1
   const int32_t* num_tokens_post_padded;  // rows at and past it are not written
   __nv_bfloat16* dst;                     // (max_padded, cols)
   int dim;                                // D: elements between src's token rows
   int col0, cols;                         // the columns of src copied (multiples of 8)
-  int top_k, num_pairs;
+  int num_tokens, top_k;
   int rows;  // max_padded
 };
 
-constexpr int kGatherRowsThreads = 256;  // a warp per row
-constexpr int kGatherRowsPerCta = kGatherRowsThreads / 32;
+// Each token's row is read once and written to its k padded rows. Walking the padded rows
+// instead read every token row k times from DRAM (an expert's rows are a pass over all the
+// tokens, and the k passes that share a token run far apart): 2k row sizes moved per token
+// instead of k + 1.
+constexpr int kScatterRowsThreads = 256;
+constexpr int kScatterRowsWarps = kScatterRowsThreads / 32;
+constexpr int kScatterRowsChunks = 8;  // 16-byte loads a lane has in flight: 4 KB of a row a warp
 
-static __global__ void __launch_bounds__(kGatherRowsThreads)
-    moe_gather_rows_kernel(const GatherRowsParams p) {
-  const int row = blockIdx.x * kGatherRowsPerCta + threadIdx.x / 32;
-  if (row >= min(p.rows, *p.num_tokens_post_padded)) return;
-  const int pair = p.sorted_token_ids[row];
-  const bool routed = pair >= 0 && pair < p.num_pairs;
-  const uint4* src =
-      reinterpret_cast<const uint4*>(p.src + size_t(routed ? pair / p.top_k : 0) * p.dim + p.col0);
-  uint4* dst = reinterpret_cast<uint4*>(p.dst + size_t(row) * p.cols);
-#pragma unroll 4
-  for (int c = threadIdx.x % 32; c < p.cols / 8; c += 32)
-    dst[c] = routed ? src[c] : make_uint4(0, 0, 0, 0);
+// The grid's first token_ctas CTAs copy token rows, a warp per token; the rest zero the
+// padding rows, a warp per 32 rows. Row r < num_tokens_post_padded is written by exactly one
+// warp, whatever the routing tables hold: by its pair's token when sorted_token_ids[r] = p and
+// pair_to_row[p] = r agree, else zeroed (padding, and rows of blocks the forward skipped).
+static __global__ void __launch_bounds__(kScatterRowsThreads)
+    moe_scatter_rows_kernel(const ScatterRowsParams p, int token_ctas) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int valid_rows = min(p.rows, *p.num_tokens_post_padded);
+  const int num_pairs = p.num_tokens * p.top_k;
+  const int chunks = p.cols / 8;
+  if (int(blockIdx.x) < token_ctas) {
+    const int token = blockIdx.x * kScatterRowsWarps + warp;
+    if (token >= p.num_tokens) return;
+    const uint4* src = reinterpret_cast<const uint4*>(p.src + size_t(token) * p.dim + p.col0);
+    for (int j0 = 0; j0 < p.top_k; j0 += 32) {
+      // Lane j holds the row of the token's pair j0 + j, or -1: every row id is loaded before
+      // the copy, not one dependent round trip per store.
+      int my_row = -1;
+      if (j0 + lane < p.top_k) {
+        const int pair = token * p.top_k + j0 + lane;
+        const int row = p.pair_to_row[pair];
+        if (row >= 0 && row < valid_rows && p.sorted_token_ids[row] == pair) my_row = row;
+      }
+      const int pairs_here = min(32, p.top_k - j0);
+      for (int c0 = 0; c0 < chunks; c0 += 32 * kScatterRowsChunks) {
+        uint4 v[kScatterRowsChunks];
+#pragma unroll
+        for (int u = 0; u < kScatterRowsChunks; ++u) {
+          const int c = c0 + 32 * u + lane;
+          if (c < chunks) v[u] = src[c];
+        }
+        for (int j = 0; j < pairs_here; ++j) {
+          const int row = __shfl_sync(0xFFFFFFFFu, my_row, j);
+          if (row < 0) continue;
+          uint4* dst = reinterpret_cast<uint4*>(p.dst + size_t(row) * p.cols);
+#pragma unroll
+          for (int u = 0; u < kScatterRowsChunks; ++u) {
+            const int c = c0 + 32 * u + lane;
+            if (c < chunks) dst[c] = v[u];
+          }
+        }
+      }
+    }
+  } else {
+    const int row0 = ((int(blockIdx.x) - token_ctas) * kScatterRowsWarps + warp) * 32;
+    if (row0 >= valid_rows) return;
+    const int r = row0 + lane;
+    bool zero = false;
+    if (r < valid_rows) {
+      const int pair = p.sorted_token_ids[r];
+      zero = !(pair >= 0 && pair < num_pairs && p.pair_to_row[pair] == r);
+    }
+    for (unsigned mask = __ballot_sync(0xFFFFFFFFu, zero); mask != 0; mask &= mask - 1) {
+      uint4* dst = reinterpret_cast<uint4*>(p.dst + size_t(row0 + __ffs(mask) - 1) * p.cols);
+      for (int c = lane; c < chunks; c += 32) dst[c] = make_uint4(0, 0, 0, 0);
+    }
+  }
 }
 
 }  // namespace prime_moe
