@@ -56,6 +56,18 @@ __device__ __forceinline__ __nv_bfloat162 bit_cast_bf162(uint32_t v) {
   return *reinterpret_cast<__nv_bfloat162*>(&v);
 }
 
+// sigmoid(g) = 1 / (1 + 2^(-g log2 e)) with the approximate ex2 and reciprocal, flushing
+// subnormals: 2^x is subnormal only for x < -126, i.e. g > 87, where 1 + 2^x rounds to 1
+// either way, so the flush changes no result and saves the non-ftz ex2's fix-up (a compare and
+// two multiplies per call). Both approximations are within 2 ulp; the results are rounded to
+// bf16.
+__device__ __forceinline__ float sigmoid_approx(float g) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return r;
+}
+
 template <bool kKeepZ>
 struct SwiGluToH {
   static constexpr int kNumB = 2;  // gate tile, up tile
@@ -199,66 +211,83 @@ struct SwiGluBackward {
     static_assert(kCols % 32 == 0, "whole 32-column groups per warpgroup");
     const int H = p.n_dim;
     const int lane_col = 8 * (threadIdx.x % 4);
+    // Both of the thread's rows' pair ids and routing weights first: loaded with each row,
+    // they put a dependent round trip (pair id, then the z words it gates) in front of every
+    // row's loads.
+    size_t row[2];
+    int pair[2];
+    float s[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const size_t row = size_t(row0 + wgmma_acc_row(i));
-      const int pair = routed_pair(p, npp, int(row));
-      const float s = pair >= 0 ? p.topk_weights[pair] : 0.f;
-      const __nv_bfloat16* z = p.z + row * (2 * size_t(H));
-      __nv_bfloat16* dz = p.out + row * (2 * size_t(H));
-      __nv_bfloat16* y1s = p.y1s + row * size_t(H);
-      // The row's g and u in the accumulators' own layout (bf16x2 at the accumulator's
-      // columns: a quad reads 16 contiguous bytes, L1 merges the two halves of a sector),
-      // every load in flight at once (a store between two loads would serialize them). The epilogue
-      // runs under the other warpgroup's mainloop only while it is shorter, so its instructions
-      // count: no transpose here.
-      uint32_t g[kGroups][4], u[kGroups][4];
+      row[i] = size_t(row0 + wgmma_acc_row(i));
+      pair[i] = routed_pair(p, npp, int(row[i]));
+    }
 #pragma unroll
-      for (int j = 0; j < kGroups * 4; ++j) {
-        const int col = col0 + wgmma_acc_col(j);
-        const bool live = pair >= 0 && col < H;  // col >= H: partial last n tile
-        g[j / 4][j % 4] = live ? *reinterpret_cast<const uint32_t*>(z + col) : 0u;
-        u[j / 4][j % 4] = live ? *reinterpret_cast<const uint32_t*>(z + H + col) : 0u;
+    for (int i = 0; i < 2; ++i) s[i] = pair[i] >= 0 ? p.topk_weights[pair[i]] : 0.f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const __nv_bfloat16* z = p.z + row[i] * (2 * size_t(H));
+      __nv_bfloat16* dz = p.out + row[i] * (2 * size_t(H));
+      __nv_bfloat16* y1s = p.y1s + row[i] * size_t(H);
+      const bool routed = pair[i] >= 0;
+      // The element math runs in the stores' layout: lane q of a quad owns columns 8q .. 8q + 7
+      // of each 32-column group, so g and u arrive by 16-byte loads and dz, y1s leave by
+      // 16-byte stores, and only dh' crosses lanes (two quad transposes of fp32 words a group,
+      // where the accumulators' layout needed three of the bf16 outputs and 4-byte loads).
+      // The loads are unconditional and every one in flight before the first use: a group past
+      // H reads the row's last live group, an unrouted row its own z row (it exists), and the
+      // values are selected away below. (Loads predicated into registers that otherwise hold 0
+      // made ptxas wait for each load before issuing the next: 16 round trips a row.)
+      uint4 g[kGroups], u[kGroups];
+#pragma unroll
+      for (int a = 0; a < kGroups; ++a) {
+        const int col = min(col0 + 32 * a + lane_col, H - 8);
+        g[a] = *reinterpret_cast<const uint4*>(z + col);
+        u[a] = *reinterpret_cast<const uint4*>(z + H + col);
       }
-      // With overwrite_z, dz's stores below hit the z words other lanes of the quad loaded:
+      // With overwrite_z, dz's stores below hit z words a clamped load of another lane read:
       // the barrier orders every lane's loads of the row before any lane's stores.
       __syncwarp();
       float ds = 0.f;
 #pragma unroll
       for (int a = 0; a < kGroups; ++a) {
-        uint32_t dg[4], du[4], y[4];
+        const int col = col0 + 32 * a + lane_col;
+        const bool live = routed && col < H;  // col >= H: partial last n tile
+        // dh' of columns 8q + 2t (d0) and 8q + 2t + 1 (d1) into slot t of lane q. An unrouted
+        // row's dh' is selected to 0, never multiplied: a skipped half's accumulators hold
+        // anything.
+        uint32_t d0[4], d1[4];
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           const int j = 4 * a + t;
-          if (pair >= 0) {  // a skipped half's accumulators hold nothing: never read them
-            const float2 gf = __bfloat1622float2(bit_cast_bf162(g[a][t]));
-            const float2 uf = __bfloat1622float2(bit_cast_bf162(u[a][t]));
-            const float d0 = wgmma_acc_at(acc, 4 * j + 2 * i);
-            const float d1 = wgmma_acc_at(acc, 4 * j + 2 * i + 1);
-            // Approximate reciprocal (2 ulp while g > -87, then 0 as sigmoid's tail is):
-            // the results are rounded to bf16.
-            const float sig0 = __fdividef(1.0f, 1.0f + __expf(-gf.x));
-            const float sig1 = __fdividef(1.0f, 1.0f + __expf(-gf.y));
-            const float silu0 = gf.x * sig0, silu1 = gf.y * sig1;
-            const float h0 = silu0 * uf.x, h1 = silu1 * uf.y;
-            ds += d0 * h0 + d1 * h1;  // columns past H: g = u = 0, so h = 0
-            const float sd0 = s * d0, sd1 = s * d1;
-            dg[t] = bf162_bits(
-                __floats2bfloat162_rn(sd0 * uf.x * sig0 * (1.0f + gf.x * (1.0f - sig0)),
-                                      sd1 * uf.y * sig1 * (1.0f + gf.y * (1.0f - sig1))));
-            du[t] = bf162_bits(__floats2bfloat162_rn(sd0 * silu0, sd1 * silu1));
-            y[t] = bf162_bits(__floats2bfloat162_rn(s * h0, s * h1));
-          } else {
-            dg[t] = du[t] = y[t] = 0u;
-          }
+          d0[t] = routed ? __float_as_uint(wgmma_acc_at(acc, 4 * j + 2 * i)) : 0u;
+          d1[t] = routed ? __float_as_uint(wgmma_acc_at(acc, 4 * j + 2 * i + 1)) : 0u;
         }
-        // 16-byte stores: lane q of a quad stores the 8 columns of j = 4a + q after a 4x4
-        // transpose of bf16x2 words inside the quad, so each row's 32 columns per group are
-        // two whole sectors, not eight half-written ones.
-        quad_transpose(dg);
-        quad_transpose(du);
-        quad_transpose(y);
-        const int col = col0 + 32 * a + lane_col;
+        quad_transpose(d0);
+        quad_transpose(d1);
+        const uint32_t gw[4] = {g[a].x, g[a].y, g[a].z, g[a].w};
+        const uint32_t uw[4] = {u[a].x, u[a].y, u[a].z, u[a].w};
+        uint32_t dg[4], du[4], y[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          // No branch: every element is computed, so ptxas interleaves their MUFU chains. A
+          // dead element has g = u = s = dh' = 0, so its dz, y1s and <dh', h> term are +0
+          // exactly, as the weight gradients (which read its row as a K row) need.
+          const float2 gf = __bfloat1622float2(bit_cast_bf162(live ? gw[t] : 0u));
+          const float2 uf = __bfloat1622float2(bit_cast_bf162(live ? uw[t] : 0u));
+          const float dh0 = __uint_as_float(d0[t]), dh1 = __uint_as_float(d1[t]);
+          const float sig0 = sigmoid_approx(gf.x), sig1 = sigmoid_approx(gf.y);
+          const float silu0 = gf.x * sig0, silu1 = gf.y * sig1;
+          const float h0 = silu0 * uf.x, h1 = silu1 * uf.y;
+          ds += dh0 * h0 + dh1 * h1;
+          const float sd0 = s[i] * dh0, sd1 = s[i] * dh1;
+          // silu'(g) = sig (1 + g (1 - sig)) = sig + silu - silu sig
+          dg[t] =
+              bf162_bits(__floats2bfloat162_rn(sd0 * uf.x * (sig0 + fmaf(-silu0, sig0, silu0)),
+                                               sd1 * uf.y * (sig1 + fmaf(-silu1, sig1, silu1))));
+          du[t] = bf162_bits(__floats2bfloat162_rn(sd0 * silu0, sd1 * silu1));
+          y[t] = bf162_bits(__floats2bfloat162_rn(s[i] * h0, s[i] * h1));
+        }
         if (col >= H) continue;
         if (p.out != nullptr) {
           *reinterpret_cast<uint4*>(dz + col) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
@@ -271,8 +300,8 @@ struct SwiGluBackward {
       // sum's order is the same on every run.
       ds += __shfl_xor_sync(0xFFFFFFFFu, ds, 1);
       ds += __shfl_xor_sync(0xFFFFFFFFu, ds, 2);
-      if (p.ds_part != nullptr && pair >= 0 && threadIdx.x % 4 == 0)
-        p.ds_part[size_t(pair) * p.ld_ds + col0 / kCols] = ds;
+      if (p.ds_part != nullptr && routed && threadIdx.x % 4 == 0)
+        p.ds_part[size_t(pair[i]) * p.ld_ds + col0 / kCols] = ds;
     }
   }
 };
