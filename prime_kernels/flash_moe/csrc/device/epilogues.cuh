@@ -271,8 +271,9 @@ struct SwiGluBackward {
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           // No branch: every element is computed, so ptxas interleaves their MUFU chains. A
-          // dead element has g = u = s = dh' = 0, so its dz, y1s and <dh', h> term are +0
-          // exactly, as the weight gradients (which read its row as a K row) need.
+          // dead element has g = u = 0, so h = 0; in an unrouted row s = dh' = 0 as well, so
+          // its dz and y1s are +0 exactly, as the weight gradients (which read the row as a K
+          // row) need; past H, dh' is 0 (TMA zero-fills w2's columns) and nothing is stored.
           const float2 gf = __bfloat1622float2(bit_cast_bf162(live ? gw[t] : 0u));
           const float2 uf = __bfloat1622float2(bit_cast_bf162(live ? uw[t] : 0u));
           const float dh0 = __uint_as_float(d0[t]), dh1 = __uint_as_float(d1[t]);
