@@ -2,13 +2,16 @@
 
     python benchmarks/flash_moe_kernels.py [--configs qwen3,mixtral] [--tokens 32768]
                                            [--routing softmax|one] [--steps 5]
+                                           [--impl ours|sonic]
 
 Runs flash_moe.moe forward and backward (x, w, w2 and topk_weights requiring grad) a few
 times under torch.profiler and prints, per kernel, the mean device time per step and, for
 the GEMMs, TFLOP/s. Kernels are named by the parts they are composed of (MoeGemm's
 template arguments), so dh, dxe and the weight gradients are told apart (dW2 and dW
 are one kernel, so one row). The step's own wall time is
-benchmarks/flash_moe.py --training's job; this splits it.
+benchmarks/flash_moe.py --training's job; this splits it. ``--impl sonic`` splits SonicMoE's
+training step (peers.Sonic, its default configs, the step benchmarks/flash_moe.py times) the
+same way, by its kernels' names.
 """
 
 from __future__ import annotations
@@ -42,11 +45,41 @@ KERNELS = (
 )
 
 
-def label_of(name):
-    for key, label, flops in KERNELS:
+# SonicMoE's (its CuTe DSL kernels through QuACK): the forward's down projection, dW2, dW1
+# and dx share one kernel name, so one row.
+SONIC_KERNELS = (
+    ("actGemmGated", "forward gate/up (SwiGLU)", 4),
+    ("dactGemmDGated", "dh (SwiGLU backward epilogue)", 2),
+    ("GemmDefault", "forward down + dW2 + dW1 + dx", 12),
+    ("token_gather_sum_kernel", "token gathers and sums (out, then dx)", 0),
+)
+
+
+def label_of(name, table=KERNELS):
+    for key, label, flops in table:
         if key in name:
             return label, flops
     return name[:80], 0
+
+
+def make_step(impl, fm, x, w, w2, ids, wts, grad_out):
+    """(the training step, forward and backward of x, w, w2 and topk_weights; its kernel
+    table)."""
+    import torch
+
+    if impl == "sonic":
+        import peers
+
+        sonic = peers.Sonic(tuned=False)
+        step = sonic.forward_backward(sonic.prepare(w, w2), x, w, w2, ids, wts, grad_out)
+        return step, SONIC_KERNELS
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, w2, wts)]
+
+    def step():
+        out = fm.moe(leaves[0], leaves[1], leaves[2], ids, leaves[3])
+        return torch.autograd.grad(out, leaves, grad_out)
+
+    return step, KERNELS
 
 
 def parse_args(argv=None):
@@ -63,6 +96,7 @@ def parse_args(argv=None):
         "--steps", type=int, default=5, help="profiled steps (0: one step, no profiler, for ncu)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--impl", choices=("ours", "sonic"), default="ours")
     return p.parse_args(argv)
 
 
@@ -87,12 +121,7 @@ def main(argv=None):
             if args.routing == "one":
                 ids = torch.arange(k, dtype=torch.int32, device=device).expand(T, k).contiguous()
             grad_out = (0.1 * torch.randn(x.shape, generator=gen, device=device)).to(x.dtype)
-            leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, w2, wts)]
-
-            def step(leaves=leaves, ids=ids, grad_out=grad_out):
-                out = fm.moe(leaves[0], leaves[1], leaves[2], ids, leaves[3])
-                return torch.autograd.grad(out, leaves, grad_out)
-
+            step, table = make_step(args.impl, fm, x, w, w2, ids, wts, grad_out)
             for _ in range(2 if args.steps else 1):
                 step()
             torch.cuda.synchronize()
@@ -116,18 +145,19 @@ def main(argv=None):
                 us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
                 if us <= 0:
                     continue
-                name, flops = label_of(event.key)
+                name, flops = label_of(event.key, table)
                 ms, _ = rows.get(name, (0.0, flops))
                 rows[name] = (ms + us / 1000 / args.steps, flops)
             total = sum(ms for ms, _ in rows.values())
             print(
-                f"== {label} T={T} ({args.routing} routing): {total:.3f} ms of kernels a step, "
+                f"== {args.impl}: {label} T={T} ({args.routing} routing): {total:.3f} ms of "
+                "kernels a step, "
                 f"{wall_ms:.3f} ms a step back to back (events, without the profiler)"
             )
             for name, (ms, flops) in sorted(rows.items(), key=lambda r: -r[1][0]):
                 rate = f"{flops * T * k * D * H / ms / 1e9:7.0f} TFLOP/s" if flops else ""
                 print(f"  {ms:8.3f} ms  {rate:>15}  {name}")
-            del x, ids, wts, grad_out, leaves
+            del x, ids, wts, grad_out, step
             torch.cuda.empty_cache()
 
 
