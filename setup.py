@@ -214,15 +214,31 @@ def static_cxx_runtime_reason(library: Path) -> str | None:
 MANYLINUX_COMPAT = PACKAGE_DIR / "include" / "prime_kernels" / "manylinux_compat.cpp"
 
 
+DEFINES = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DUSE_CUDA"]
+
+
+def nvcc_flags(spec) -> list[str]:
+    """The kernel's nvcc flags besides torch's own and the include paths (also what
+    tests/test_ptxas_report.py compiles with)."""
+    cross_nvcc = []
+    if is_cross_build():
+        cross_nvcc = shlex.split(os.environ.get("PRIME_KERNELS_CROSS_NVCC_FLAGS", ""))
+    return [
+        f"-std=c++{spec.cxx_std}",
+        *(manifest.arch_to_gencode(arch) for arch in spec.arch),
+        *DEFINES,
+        *NVCC_RESTORE_OPERATORS,
+        *spec.nvcc_flags,
+        *cross_nvcc,
+    ]
+
+
 def make_extension(spec, kernel_dir: Path):
     from torch.utils.cpp_extension import CUDAExtension
 
-    std = f"-std=c++{spec.cxx_std}"
-    defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DUSE_CUDA"]
-    gencode = [manifest.arch_to_gencode(arch) for arch in spec.arch]
     # A cross build reads the target's torch and Python headers and links the target's
     # libraries: listed first, they shadow this machine's, which torch adds after them.
-    cross_includes, cross_libs, cross_nvcc = [], [], []
+    cross_includes, cross_libs = [], []
     if is_cross_build():
         (torch_root,) = cross_setting("TORCH")
         cross_includes = cross_setting("INCLUDE_DIRS") + [
@@ -230,7 +246,6 @@ def make_extension(spec, kernel_dir: Path):
             f"{torch_root}/include/torch/csrc/api/include",
         ]
         cross_libs = [f"{torch_root}/lib", *cross_setting("LIB_DIRS")]
-        cross_nvcc = shlex.split(os.environ.get("PRIME_KERNELS_CROSS_NVCC_FLAGS", ""))
     return CUDAExtension(
         name=f"{PACKAGE}.{spec.name}._C",
         sources=[str((kernel_dir / src).relative_to(ROOT)) for src in spec.sources]
@@ -240,15 +255,8 @@ def make_extension(spec, kernel_dir: Path):
         + cross_includes,
         library_dirs=cross_libs,
         extra_compile_args={
-            "cxx": [std, "-O3", *defines, *spec.cxx_flags],
-            "nvcc": [
-                std,
-                *gencode,
-                *defines,
-                *NVCC_RESTORE_OPERATORS,
-                *spec.nvcc_flags,
-                *cross_nvcc,
-            ],
+            "cxx": [f"-std=c++{spec.cxx_std}", "-O3", *DEFINES, *spec.cxx_flags],
+            "nvcc": nvcc_flags(spec),
         },
         extra_link_args=cxx_runtime_link_args(),
         py_limited_api=True,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_kernels._manifest import arch_to_gencode, load_manifest
+from prime_kernels._manifest import load_manifest
 
 from .test_build import load_setup_py
 
@@ -48,6 +48,8 @@ UNITS = translation_units()
 
 
 def compile_command(nvcc, setup, spec, kernel_dir: Path, source: str, output: Path) -> list:
+    """setup.py's device flags for the kernel (torch's own only switch host code and the
+    half/bf16 operators that setup.py turns back on), its include paths, ptxas -v."""
     from torch.utils.cpp_extension import include_paths
 
     includes = [kernel_dir / inc for inc in spec.include_dirs] + [PACKAGE_DIR / "include"]
@@ -57,12 +59,7 @@ def compile_command(nvcc, setup, spec, kernel_dir: Path, source: str, output: Pa
         str(kernel_dir / source),
         "-o",
         str(output),
-        f"-std=c++{spec.cxx_std}",
-        *(arch_to_gencode(arch) for arch in spec.arch),
-        f"-DTORCH_TARGET_VERSION={setup.TORCH_TARGET_VERSION}",
-        "-DUSE_CUDA",
-        *setup.NVCC_RESTORE_OPERATORS,
-        *spec.nvcc_flags,
+        *setup.nvcc_flags(spec),
         *(f"-I{path}" for path in includes + include_paths()),
         "-Xptxas",
         "-v",
@@ -70,19 +67,16 @@ def compile_command(nvcc, setup, spec, kernel_dir: Path, source: str, output: Pa
 
 
 def parse_report(text: str) -> tuple[list[str], list[str]]:
-    """(functions that spill, with their byte counts; serialization notes) from ptxas -v."""
-    spilling, current = [], None
+    """(spilling functions with their byte counts; serialization notes) from ptxas -v. A
+    spill line outside any named function counts too."""
+    spilling, current = [], "?"
     for line in text.splitlines():
         entry = ENTRY.search(line)
         if entry:
             current = entry.group(1)
             continue
         spills = SPILLS.search(line)
-        if (
-            spills
-            and current is not None
-            and spills.group(0) != "0 bytes spill stores, 0 bytes spill loads"
-        ):
+        if spills and (int(spills.group(1)) or int(spills.group(2))):
             spilling.append(f"{current}: {spills.group(0)}")
     return spilling, [m.group(0) for m in SERIALIZED.finditer(text)]
 
@@ -93,7 +87,6 @@ def reports(tmp_path_factory):
     nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("no CUDA toolkit (nvcc) on this machine")
-    pytest.importorskip("torch")
     setup = load_setup_py()
     out_dir = tmp_path_factory.mktemp("ptxas")
 
@@ -101,10 +94,11 @@ def reports(tmp_path_factory):
         name, spec, source = unit
         output = out_dir / f"{name}-{Path(source).stem}.o"
         cmd = compile_command(nvcc, setup, spec, PACKAGE_DIR / name, source, output)
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         return (name, source), result
 
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+    # An nvcc of these translation units takes up to ~2 GB: at most 4 at a time.
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         return dict(pool.map(run, UNITS))
 
 

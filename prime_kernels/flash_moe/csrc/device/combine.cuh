@@ -7,9 +7,9 @@
 // moe_routing_weight_grad_kernel: the backward's ds[p] = sum_n ds_part[p][n] in order
 // n = 0.., 0 for a dropped pair.
 // moe_scatter_rows_kernel, the combine's inverse: dst[r] = src[token of the pair in padded
-// row r] (a slice of its columns), zeros in padding rows, so that a K-grouped GEMM reads both
-// operands by TMA (the backward's dW: gathering x along K inside the GEMM ran at 190 TFLOP/s, TMA
-// rows at 600).
+// row r] (a slice of its columns), zeros in every other row (padding, and any row whose
+// routing tables disagree), so that a K-grouped GEMM reads both operands by TMA (the
+// backward's dW: gathering x along K inside the GEMM ran at 190 TFLOP/s, TMA rows at 600).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,7 +40,7 @@ static __global__ void __launch_bounds__(kCombineThreads)
   const int pair0 = token * p.top_k;
   for (int c = threadIdx.x * 8; c < p.dim; c += kCombineThreads * 8) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j0 = 0; j0 < p.top_k; j0 += kCombinePairsInFlight) {
+    for (int64_t j0 = 0; j0 < p.top_k; j0 += kCombinePairsInFlight) {  // top_k near INT_MAX
       int row[kCombinePairsInFlight];
       uint4 v[kCombinePairsInFlight];
 #pragma unroll
@@ -119,16 +119,17 @@ static __global__ void __launch_bounds__(kScatterRowsThreads)
     const int token = blockIdx.x * kScatterRowsWarps + warp;
     if (token >= p.num_tokens) return;
     const uint4* src = reinterpret_cast<const uint4*>(p.src + size_t(token) * p.dim + p.col0);
-    for (int j0 = 0; j0 < p.top_k; j0 += 32) {
+    // j0 is 64-bit: top_k may come within 32 of INT_MAX (T = 1).
+    for (int64_t j0 = 0; j0 < p.top_k; j0 += 32) {
       // Lane j holds the row of the token's pair j0 + j, or -1: every row id is loaded before
       // the copy, not one dependent round trip per store.
       int my_row = -1;
       if (j0 + lane < p.top_k) {
-        const int pair = token * p.top_k + j0 + lane;
+        const int pair = int(int64_t(token) * p.top_k + j0 + lane);
         const int row = p.pair_to_row[pair];
         if (row >= 0 && row < valid_rows && p.sorted_token_ids[row] == pair) my_row = row;
       }
-      const int pairs_here = min(32, p.top_k - j0);
+      const int pairs_here = int(min(int64_t(32), p.top_k - j0));
       for (int c0 = 0; c0 < chunks; c0 += 32 * kScatterRowsChunks) {
         uint4 v[kScatterRowsChunks];
 #pragma unroll
