@@ -389,6 +389,39 @@ def test_ops_directly(flash_moe, seed):
 
 
 @pytest.mark.sanitize
+@pytest.mark.parametrize("overwrite_z", [False, True], ids=["keep_z", "overwrite_z"])
+def test_backward_garbage_routing_never_goes_out_of_bounds(flash_moe, seed, overwrite_z):
+    """Whatever sorted_token_ids, expert_ids, the padded total and pair_to_row hold (moe_backward
+    checks their shapes and trusts their values), the backward's kernels only touch valid
+    memory (compute-sanitizer memcheck runs this) and return; the numbers are unspecified."""
+    inputs, grad_out = make_inputs(200, 128, 64, 4, 2, "uniform", seed)
+    x, w, w2, ids, weights = inputs
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 4)
+    _, z, pair_to_row = torch.ops.prime_moe.moe_forward(
+        x, w, w2, sorted_ids, expert_ids, total, weights, 2
+    )
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def junk(like, low, high):
+        return torch.randint(low, high, like.shape, generator=generator, device="cuda").to(
+            torch.int32
+        )
+
+    garbage = [
+        (junk(sorted_ids, -5, 10**6), junk(expert_ids, -5, 100), junk(pair_to_row, -5, 10**6)),
+        (junk(sorted_ids, -5, 2 * 200), junk(expert_ids, -1, 5), junk(pair_to_row, -5, 2000)),
+    ]
+    for bad_sorted, bad_experts, bad_rows in garbage:
+        for bad_total in (10**7, -3, int(total.item())):
+            result = torch.ops.prime_moe.moe_backward(
+                grad_out, x, w, w2, bad_sorted, bad_experts, torch.full_like(total, bad_total),
+                weights, z.clone(), bad_rows, 2, *ALL, overwrite_z,
+            )  # fmt: skip
+            torch.cuda.synchronize()
+            assert [g.shape for g in result] == [x.shape, w.shape, w2.shape, weights.shape]
+
+
+@pytest.mark.sanitize
 def test_no_tokens(flash_moe):
     """T = 0 (an expert-parallel rank that got no tokens): out is (0, D), dx and
     dtopk_weights are empty, dw and dw2 are zeros of their full shape."""
