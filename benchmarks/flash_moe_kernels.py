@@ -63,23 +63,15 @@ def label_of(name, table=KERNELS):
 
 
 def make_step(impl, fm, x, w, w2, ids, wts, grad_out):
-    """(the training step, forward and backward of x, w, w2 and topk_weights; its kernel
-    table)."""
-    import torch
+    """(the training step as benchmarks/flash_moe.py --training times it: forward and backward
+    of x, w, w2 and topk_weights, peers' forward_backward; its kernel table)."""
+    import peers
 
     if impl == "sonic":
-        import peers
-
-        sonic = peers.Sonic(tuned=False)
-        step = sonic.forward_backward(sonic.prepare(w, w2), x, w, w2, ids, wts, grad_out)
-        return step, SONIC_KERNELS
-    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, w2, wts)]
-
-    def step():
-        out = fm.moe(leaves[0], leaves[1], leaves[2], ids, leaves[3])
-        return torch.autograd.grad(out, leaves, grad_out)
-
-    return step, KERNELS
+        peer, table = peers.Sonic(tuned=False), SONIC_KERNELS
+    else:
+        peer, table = peers.Ours(fm, True), KERNELS
+    return peer.forward_backward(peer.prepare(w, w2), x, w, w2, ids, wts, grad_out), table
 
 
 def parse_args(argv=None):

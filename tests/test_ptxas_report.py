@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,13 +24,6 @@ PACKAGE_DIR = REPO / "prime_kernels"
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for")
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 SERIALIZED = re.compile(r"\(C75\d\d\).*wgmma.*serialized.*")
-
-
-def find_nvcc() -> str | None:
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
-        return str(Path(cuda_home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
 
 
 def translation_units():
@@ -84,16 +76,17 @@ def parse_report(text: str) -> tuple[list[str], list[str]]:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """ptxas's output for every translation unit, compiled in parallel."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        pytest.skip("no CUDA toolkit (nvcc) on this machine")
     setup = load_setup_py()
+    cuda_home = setup.probe_toolkit()["cuda_home"]  # the toolkit the build compiles with
+    nvcc = Path(cuda_home) / "bin" / "nvcc" if cuda_home else None
+    if nvcc is None or not nvcc.exists():
+        pytest.skip("no CUDA toolkit (nvcc) on this machine")
     out_dir = tmp_path_factory.mktemp("ptxas")
 
     def run(unit):
         name, spec, source = unit
         output = out_dir / f"{name}-{Path(source).stem}.o"
-        cmd = compile_command(nvcc, setup, spec, PACKAGE_DIR / name, source, output)
+        cmd = compile_command(str(nvcc), setup, spec, PACKAGE_DIR / name, source, output)
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         return (name, source), result
 

@@ -166,7 +166,7 @@ cudaError_t launch_expert_segments(const MoeBackwardProblem& pr, const Workspace
 }
 
 // Columns [col0, col0 + cols) of src's token rows (T, D): x or dO, into padded-row order in
-// dst (max_padded, cols), zeros in padding rows.
+// dst (max_padded, cols), zeros in every other row below the padded total.
 cudaError_t launch_scatter_rows(const MoeBackwardProblem& pr, const __nv_bfloat16* src, int col0,
                                 int cols, __nv_bfloat16* dst, cudaStream_t stream) {
   const ScatterRowsParams sp{
