@@ -43,11 +43,16 @@ struct WarpgroupMainloop {
   }
 
   // acc = A[m_offset .. + 64 kMmaM) x B[n_offset .. + kNumMma * kMmaN)^T over all K slices.
+  // issued() runs once every wgmma of the tile is issued, before they are waited for: a
+  // ping-pong consumer passes its turn there, so the other warpgroup's first wgmmas queue
+  // behind this one's last and the tensor pipe does not drain between tiles (CUTLASS's
+  // ping-pong kernel does the same).
+  template <class Issued>
   __device__ __forceinline__ static void run(Accumulators& acc,
                                              const prime_kernels::StageRing& ring,
                                              prime_kernels::RingState& rs, uint8_t* smem_a,
                                              uint8_t* smem_b, int m_offset, int n_offset,
-                                             int num_k_blocks) {
+                                             int num_k_blocks, Issued&& issued) {
     using namespace prime_kernels;
     // Fenced on both sides: without this one, ptxas may move the previous tile's epilogue
     // reads of the accumulators past the first wgmma and then serializes every wgmma of the
@@ -89,6 +94,7 @@ struct WarpgroupMainloop {
       prev_stage = rs.stage;
       rs.advance(ring.stages);
     }
+    issued();
     wgmma_wait<0>();
 #pragma unroll
     for (int mh = 0; mh < Consumers::kMmaM; ++mh) {

@@ -289,9 +289,13 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       // are written as zeros. The accumulators are not zeroed for that: a non-wgmma write
       // to them anywhere in the kernel makes ptxas serialize every wgmma (C7515), so the
       // epilogue is told instead.
+      const auto pass_turn = [&] {
+        if constexpr (Consumers::kPingPong) turns.pass_turn(consumer);
+      };
       if (has_work)
-        Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.num_k_blocks);
-      if constexpr (Consumers::kPingPong) turns.pass_turn(consumer);
+        Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.num_k_blocks, pass_turn);
+      else
+        pass_turn();
       if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
 #pragma unroll
       for (int mh = 0; mh < Consumers::kMmaM; ++mh)
