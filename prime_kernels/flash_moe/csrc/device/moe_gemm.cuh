@@ -110,9 +110,9 @@ struct MoeGemm {
   }
 };
 
-// Ping-pong turns: turn[c] completes a phase when the other warpgroup has issued and
-// finished its mainloop, so warpgroup c may start its next one. Warpgroup 0 takes the
-// first tile without waiting; after that each waits once per tile it owns, and every wait
+// Ping-pong turns: turn[c] completes a phase when the other warpgroup has issued every wgmma
+// of its mainloop (not yet waited for them), so warpgroup c may start its next one. Warpgroup 0
+// takes the first tile without waiting; after that each waits once per tile it owns, and every wait
 // has exactly one matching phase (a warpgroup cannot signal twice before the other waited:
 // its next signal needs the other's). A signal nobody waits for (the CTA's last tile) only
 // leaves a phase completed.
