@@ -40,6 +40,8 @@ namespace forward {
 
 struct Bf16Weights {
   static constexpr const char* kName = "fused_moe_bf16";
+  // The down GEMM's ping-pong tile width (ForwardKernels).
+  static constexpr int kDownPingPongN = 192;
   template <class Tile>
   using BLoad = TmaWeightTiles<Tile>;
   using GateUpEpilogue = SwiGluToH<false>;
@@ -53,6 +55,8 @@ struct Bf16Weights {
 
 struct Mxfp8Weights {
   static constexpr const char* kName = "fused_moe_mxfp8";
+  // The weight loader stages whole 128-row blocks of scales.
+  static constexpr int kDownPingPongN = 128;
   template <class Tile>
   using BLoad = Mxfp8WeightTiles<Tile>;
   using GateUpEpilogue = SwiGluToMxfp8;
@@ -66,15 +70,18 @@ struct Mxfp8Weights {
 
 // The forward's kernels for one gate/up tile of block_m x block_n.
 // The down GEMM (K = H, often only 12 K steps) spends a large share of each tile in its
-// epilogue; at the large tile it runs ping-pong 128 x 128 tiles, one warpgroup's stores
-// under the other's mainloop (Qwen3-30B-A3B T = 32768: cooperative 128 x 256 at ~465
-// TFLOP/s). Elsewhere (decode sizes, block_m = 64) it is cooperative and 2 * block_n wide,
-// so that both GEMMs' stages are the same size.
+// epilogue; at the large tile it runs ping-pong, one warpgroup's stores under the other's
+// mainloop (Qwen3-30B-A3B T = 32768: cooperative 128 x 256 at ~465 TFLOP/s, ping-pong 128 x
+// 128 at ~610). A ping-pong tile reads its B tile once per 64-row half, so shared memory
+// carries 160 bytes a clock at full MMA rate with 128 x 128 (wgmma reads 96, the stage fills
+// 64) against the SM's 128: 192 columns bring that to 138 (Weights::kDownPingPongN).
+// Elsewhere (decode sizes, block_m = 64) it is cooperative and 2 * block_n wide, so that
+// both GEMMs' stages are the same size.
 template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels {
   static constexpr bool kDownPingPong = kBlockM == 128 && kBlockN == 128;
   using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
-  using DownTile = MoeGemmTile<kBlockM, kDownPingPong ? kBlockN : 2 * kBlockN, 1>;
+  using DownTile = MoeGemmTile<kBlockM, kDownPingPong ? Weights::kDownPingPongN : 2 * kBlockN, 1>;
   template <class Epilogue>
   using DownGemm = std::conditional_t<
       kDownPingPong,
