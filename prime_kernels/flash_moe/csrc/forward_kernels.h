@@ -97,8 +97,9 @@ struct ForwardKernels {
   using DownAtomic = DownGemm<WeightedAtomicAdd>;
   static_assert(DownStore::smem_bytes(3) == DownAtomic::smem_bytes(3));
 
-  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (a 128 x 128
-  // down stage is 32 KB against gate/up's 48 KB: 6 stages for 4), as far as the device holds.
+  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (a 128 x 192
+  // down stage is 40 KB against gate/up's 48 KB: 4 stages for 4, where 5 would fit: to A/B),
+  // as far as the device holds.
   static int down_stages(int stages, int device, int max_stages) {
     const int same_bytes = int(stages * GateUpTile::kStageBytes / DownTile::kStageBytes);
     return std::min(same_bytes, ring_stages<DownStore>(device, max_stages));
@@ -173,9 +174,9 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
   if (original || requested.block_n == 0) {
     // 128: gate/up tiles of block_m x (128 gate + 128 up), the largest whose fp32
     // accumulators (128 per consumer thread) fit the 232-register consumer budget, and the
-    // down GEMM's ping-pong 128 x 128 tiles (ForwardKernels). 64 when even that gives fewer tiles
-    // than SMs (decode-sized T, weight-bandwidth-bound): more CTAs streaming weights. Real blocks
-    // are at most one partial block per routed expert plus T*k / block_m full ones.
+    // down GEMM's ping-pong tiles (128 x 192 for bf16, ForwardKernels). 64 when even that gives
+    // fewer tiles than SMs (decode-sized T, weight-bandwidth-bound): more CTAs streaming weights.
+    // Real blocks are at most one partial block per routed expert plus T*k / block_m full ones.
     const int64_t pairs = problem.num_tokens * problem.top_k;
     const int64_t blocks = std::min(problem.max_padded / block_m,
                                     std::min(problem.num_experts, pairs) + pairs / block_m);
