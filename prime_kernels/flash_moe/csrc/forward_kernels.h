@@ -40,6 +40,8 @@ namespace forward {
 
 struct Bf16Weights {
   static constexpr const char* kName = "fused_moe_bf16";
+  // The down GEMM's ping-pong tile width (ForwardKernels).
+  static constexpr int kDownPingPongN = 192;
   template <class Tile>
   using BLoad = TmaWeightTiles<Tile>;
   using GateUpEpilogue = SwiGluToH<false>;
@@ -53,6 +55,8 @@ struct Bf16Weights {
 
 struct Mxfp8Weights {
   static constexpr const char* kName = "fused_moe_mxfp8";
+  // The weight loader stages whole 128-row blocks of scales.
+  static constexpr int kDownPingPongN = 128;
   template <class Tile>
   using BLoad = Mxfp8WeightTiles<Tile>;
   using GateUpEpilogue = SwiGluToMxfp8;
@@ -66,15 +70,18 @@ struct Mxfp8Weights {
 
 // The forward's kernels for one gate/up tile of block_m x block_n.
 // The down GEMM (K = H, often only 12 K steps) spends a large share of each tile in its
-// epilogue; at the large tile it runs ping-pong 128 x 128 tiles, one warpgroup's stores
-// under the other's mainloop (Qwen3-30B-A3B T = 32768: cooperative 128 x 256 at ~465
-// TFLOP/s). Elsewhere (decode sizes, block_m = 64) it is cooperative and 2 * block_n wide,
-// so that both GEMMs' stages are the same size.
+// epilogue; at the large tile it runs ping-pong, one warpgroup's stores under the other's
+// mainloop (Qwen3-30B-A3B T = 32768: cooperative 128 x 256 at ~465 TFLOP/s, ping-pong 128 x
+// 128 at ~610). A ping-pong tile reads its B tile once per 64-row half, so shared memory
+// carries 160 bytes a clock at full MMA rate with 128 x 128 (wgmma reads 96, the stage fills
+// 64) against the SM's 128: 192 columns bring that to 138 (Weights::kDownPingPongN).
+// Elsewhere (decode sizes, block_m = 64) it is cooperative and 2 * block_n wide, so that
+// both GEMMs' stages are the same size.
 template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels {
   static constexpr bool kDownPingPong = kBlockM == 128 && kBlockN == 128;
   using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
-  using DownTile = MoeGemmTile<kBlockM, kDownPingPong ? kBlockN : 2 * kBlockN, 1>;
+  using DownTile = MoeGemmTile<kBlockM, kDownPingPong ? Weights::kDownPingPongN : 2 * kBlockN, 1>;
   template <class Epilogue>
   using DownGemm = std::conditional_t<
       kDownPingPong,
@@ -90,8 +97,9 @@ struct ForwardKernels {
   using DownAtomic = DownGemm<WeightedAtomicAdd>;
   static_assert(DownStore::smem_bytes(3) == DownAtomic::smem_bytes(3));
 
-  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (a 128 x 128
-  // down stage is 32 KB against gate/up's 48 KB: 6 stages for 4), as far as the device holds.
+  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (a 128 x 192
+  // down stage is 40 KB against gate/up's 48 KB: 4 stages for 4, where 5 would fit: to A/B),
+  // as far as the device holds.
   static int down_stages(int stages, int device, int max_stages) {
     const int same_bytes = int(stages * GateUpTile::kStageBytes / DownTile::kStageBytes);
     return std::min(same_bytes, ring_stages<DownStore>(device, max_stages));
@@ -166,9 +174,9 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
   if (original || requested.block_n == 0) {
     // 128: gate/up tiles of block_m x (128 gate + 128 up), the largest whose fp32
     // accumulators (128 per consumer thread) fit the 232-register consumer budget, and the
-    // down GEMM's ping-pong 128 x 128 tiles (ForwardKernels). 64 when even that gives fewer tiles
-    // than SMs (decode-sized T, weight-bandwidth-bound): more CTAs streaming weights. Real blocks
-    // are at most one partial block per routed expert plus T*k / block_m full ones.
+    // down GEMM's ping-pong tiles (128 x 192 for bf16, ForwardKernels). 64 when even that gives
+    // fewer tiles than SMs (decode-sized T, weight-bandwidth-bound): more CTAs streaming weights.
+    // Real blocks are at most one partial block per routed expert plus T*k / block_m full ones.
     const int64_t pairs = problem.num_tokens * problem.top_k;
     const int64_t blocks = std::min(problem.max_padded / block_m,
                                     std::min(problem.num_experts, pairs) + pairs / block_m);

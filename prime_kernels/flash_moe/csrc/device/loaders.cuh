@@ -65,7 +65,9 @@ struct BoxShare {
 struct TmaLoader {
   static constexpr int kThreads = 1;
   static constexpr bool kMulticast = false;  // a B loader whose boxes split says true
-  static constexpr int kProducerRegs = 40;
+  // One thread issuing TMA copies: 24 registers (the least setmaxnreg takes) hold it, and
+  // the consumers get 240 (FlashAttention-3 splits its TMA producer the same way).
+  static constexpr int kProducerRegs = 24;
   static constexpr uint32_t kFullArrivals = 0;
   static constexpr bool kGenericProxyWrites = false;
   // Shared memory a B loader keeps past the stage ring (MoeGemm::smem_bytes counts it): none.

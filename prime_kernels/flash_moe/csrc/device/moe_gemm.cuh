@@ -73,11 +73,13 @@ struct MoeGemm {
   // Register split (sm_90a setmaxnreg, multiples of 8). The CTA launches with 168 registers
   // a thread (__launch_bounds__(384, 1)) and can only move those 384 x 168 between its
   // warpgroups: 128 * (producer + 2 * consumer) <= 64512, or setmaxnreg.inc waits forever.
-  // The loaders say what the producer needs (40), the consumers get the rest: 224 to 232
-  // registers, room for their 128 fp32 accumulators (two 64x128 or one 64x256 tile) and the
-  // epilogue.
-  static constexpr int kProducerRegs =
+  // The loaders say what the producer needs (24 for one TMA thread, 40 for the gather, 56 for
+  // the MXFP8 widening; 40 in a cluster, whose producer also works out its share of the boxes
+  // and the multicast masks), the consumers get the rest: 224 to 240 registers, room for
+  // their 128 to 192 fp32 accumulators and the epilogue.
+  static constexpr int kLoaderRegs =
       ALoad::kProducerRegs > BLoad::kProducerRegs ? ALoad::kProducerRegs : BLoad::kProducerRegs;
+  static constexpr int kProducerRegs = kClusterM > 1 && kLoaderRegs < 40 ? 40 : kLoaderRegs;
   static constexpr int kConsumerRegs = ((kThreads / 128 * 168 - kProducerRegs) / 2) / 8 * 8;
   static constexpr uint32_t kFullArrivals = 1 + ALoad::kFullArrivals + BLoad::kFullArrivals;
   static constexpr uint32_t kStageTmaBytes = ALoad::kTmaBytes + BLoad::kTmaBytes;
@@ -89,6 +91,10 @@ struct MoeGemm {
 
   static_assert(Epilogue::kNumB == Tile::kNumB, "the epilogue reads the stage's weight tiles");
   static_assert(kConsumerRegs >= 224, "the consumers keep their accumulators in registers");
+  static_assert(Consumers::kMmaM * Consumers::kNumMma * Consumers::Mma::kAccRegs <= 128 ||
+                    kConsumerRegs >= 240,
+                "past 128 accumulators a thread the consumers need 240 registers (a TMA-only, "
+                "unclustered producer)");
   static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * 168, "setmaxnreg moves, never adds");
   static_assert(kProducerThreads >= 1 && kProducerThreads <= 128,
                 "the loaders run in the producer warpgroup, thread 0 included");

@@ -92,9 +92,11 @@ struct PingPongConsumers {
   static constexpr int kMmaN = Tile::kNumB * Tile::kBlockN;
   using Mma = prime_kernels::WgmmaBf16<kMmaN, ALayout::kTrans, BLayout::kTrans>;
 
-  static_assert(kMmaN == 64 || kMmaN == 128 || kMmaN == 256,
+  static_assert(kMmaN == 64 || kMmaN == 128 || kMmaN == 192 || kMmaN == 256,
                 "wgmma N must be one of the instantiated shapes");
-  static_assert(kMmaM * Mma::kAccRegs <= 128, "accumulators must fit the consumer register budget");
+  // 192 (a 128 x 192 tile) leaves 48 of the 240 consumer registers of a TMA-only producer
+  // (MoeGemm): enough for a plain store epilogue, not for the SwiGLU ones.
+  static_assert(kMmaM * Mma::kAccRegs <= 192, "accumulators must fit the consumer register budget");
   static_assert(!BLayout::kTrans || Tile::kNumB == 1,
                 "an MN-major weight operand takes whole 64-column chunks, one weight tile");
 
