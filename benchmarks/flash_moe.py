@@ -41,7 +41,10 @@ sections into the results file between ``<!-- flash_moe:NAME -->`` and ``<!--
 ``--results-json``, and, where $OUT is set, $OUT/flash_moe_bench.json (the raw numbers,
 also split by mode), $OUT/RESULTS.md and the results JSON (the updated files, to copy back)
 and $OUT/flash_moe_sections.md (this run's sections alone, for ``--merge`` on another
-checkout). ``--self-test`` runs the whole pipeline on CPU at a toy shape, the forward run
+checkout). ``--combine A.json,B.json`` writes the raw numbers of several runs of one commit
+(the full training run takes longer than one command on the GPU machine may) as one run's
+sections and JSON, each shape's rows from the last run that timed it in every mode, the runs'
+commands, dates and ceilings in its meta. ``--self-test`` runs the whole pipeline on CPU at a toy shape, the forward run
 and then the training run (only the latter with ``--training``), writing into a temporary
 directory, and checks what they wrote; grouped-mm stands in for ours, and mxfp8.py's
 quantizer with the exact-MX emulation for ours in MXFP8.
@@ -53,6 +56,7 @@ benchmarks/peers.py holds the implementations.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -217,6 +221,12 @@ def parse_args(argv=None):
         action="store_true",
         help="let Liger (Triton autotune, 32 configs per kernel) and SonicMoE "
         "(QuACK autotune per shape) tune; off by default: it costs minutes",
+    )
+    p.add_argument(
+        "--combine",
+        metavar="JSON,JSON,...",
+        help="only write the results of these runs' raw numbers (results JSONs of one commit, "
+        "all --training or none) as one run's sections and JSON, then exit",
     )
     p.add_argument(
         "--self-test",
@@ -906,8 +916,51 @@ def section(title, meta, ceilings, rows, mode, skips, note_lines, extra_means=()
     )
 
 
+DEFINITIONS = {
+    "flops": "fwd and fwd-train 6*T*k*D*H, fwd+bwd 18*T*k*D*H, bwd 12*T*k*D*H",
+    "weight_bytes": f"E_active*3*D*H*2, for T <= {WEIGHT_READ_MAX_T}; weight_gbps = that / time",
+    "mxfp8_bytes": f"{peers.MXFP8}: E_active*3*D*H*33/32 + T*D*33/32 + 2*T*D (e4m3 "
+    "weights and scales, x's values and scales, bf16 out), for T <= "
+    f"{WEIGHT_READ_MAX_T}; mxfp8_gbps = that / time",
+    "mxfp8": f"{peers.MXFP8}: moe_align + fused_moe_mxfp8 (split=True) on x, w, w2 "
+    "quantized once outside the timing (RCEIL, w and w2 scales blocked); "
+    f"{peers.MXFP8_QUANT}: the same quantizing x, w, w2 in every call",
+    "quantize": f"the rows of mode {QUANTIZE!r}: quantize_mxfp8 RCEIL of x (T, D) "
+    "with row-major scales, w (E, 2H, D) and w2 (E, D, H) with blocked scales; gbps = "
+    "numel*(2 + 1 + 1/32) bytes (read + written) / time",
+    "frac_copy": "weight_gbps, mxfp8_gbps or gbps over ceilings.copy_gbps",
+    "speedup": "other impl's ms / this row's ms (above 1: this row is faster); the MXFP8 "
+    f"rows also against {BF16!r}",
+    "rel_err": "||out - grouped-mm|| / ||grouped-mm||; fwd+bwd and bwd: the largest of "
+    "rel_errs, the same per gradient (dx, dw, dw2, dtopk_weights) against grouped-mm "
+    "autograd's",
+    "fwd-train": "the forward with grad enabled on leaf copies of x, w, w2, topk_weights "
+    "(all requiring grad), its output kept until the call returns",
+    "fwd+bwd": "fwd-train plus torch.autograd.grad w.r.t. the four leaves",
+    "bwd": "fwd+bwd ms - fwd-train ms, each the median over its interleaved rounds",
+    "memory": "peak_gb: torch.cuda.max_memory_allocated during one call; extra_gb: that "
+    "peak minus memory_allocated just before the call (weights, inputs, leaf copies and "
+    "the reference's outputs excluded); held_gb: allocated after the call while its "
+    "result is alive, minus the same base (fwd-train: out and what autograd saved; "
+    "fwd+bwd: the gradients)",
+    "routing": "softmax: top-k of a softmax over normal logits, renormalized "
+    "(reference.routing); zipf s: k distinct experts per token drawn without replacement, "
+    "rank r with probability proportional to r^-s over a random permutation of the "
+    "experts, weights a softmax over normal logits at those experts, renormalized; "
+    "load_max_over_mean: the busiest expert's pairs over T*k/E",
+    "geomeans": f"over softmax-routed shapes only; large_T = T in {list(LARGE_T)}",
+}
+
+
 def finish(args, meta, ceilings, live, skips, rows, started):
     elapsed = time.time() - started
+    meta["peers"] = harness.impls_meta(live)
+    meta["definitions"] = DEFINITIONS
+    return publish(args, meta, ceilings, skips, rows, elapsed)
+
+
+def publish(args, meta, ceilings, skips, rows, elapsed):
+    """Logs the run's tables and means, then writes its sections and raw numbers."""
     for mode, mode_rows in rows.items():
         log()
         log(f"{TITLES[mode]}:")
@@ -920,42 +973,6 @@ def finish(args, meta, ceilings, live, skips, rows, started):
         for line in lines:
             log(line)
     log(f"total {elapsed:.0f} s")
-    meta["peers"] = harness.impls_meta(live)
-    meta["definitions"] = {
-        "flops": "fwd and fwd-train 6*T*k*D*H, fwd+bwd 18*T*k*D*H, bwd 12*T*k*D*H",
-        "weight_bytes": f"E_active*3*D*H*2, for T <= {WEIGHT_READ_MAX_T}; weight_gbps = "
-        "that / time",
-        "mxfp8_bytes": f"{peers.MXFP8}: E_active*3*D*H*33/32 + T*D*33/32 + 2*T*D (e4m3 "
-        "weights and scales, x's values and scales, bf16 out), for T <= "
-        f"{WEIGHT_READ_MAX_T}; mxfp8_gbps = that / time",
-        "mxfp8": f"{peers.MXFP8}: moe_align + fused_moe_mxfp8 (split=True) on x, w, w2 "
-        "quantized once outside the timing (RCEIL, w and w2 scales blocked); "
-        f"{peers.MXFP8_QUANT}: the same quantizing x, w, w2 in every call",
-        "quantize": f"the rows of mode {QUANTIZE!r}: quantize_mxfp8 RCEIL of x (T, D) "
-        "with row-major scales, w (E, 2H, D) and w2 (E, D, H) with blocked scales; gbps = "
-        "numel*(2 + 1 + 1/32) bytes (read + written) / time",
-        "frac_copy": "weight_gbps, mxfp8_gbps or gbps over ceilings.copy_gbps",
-        "speedup": "other impl's ms / this row's ms (above 1: this row is faster); the MXFP8 "
-        f"rows also against {BF16!r}",
-        "rel_err": "||out - grouped-mm|| / ||grouped-mm||; fwd+bwd and bwd: the largest of "
-        "rel_errs, the same per gradient (dx, dw, dw2, dtopk_weights) against grouped-mm "
-        "autograd's",
-        "fwd-train": "the forward with grad enabled on leaf copies of x, w, w2, topk_weights "
-        "(all requiring grad), its output kept until the call returns",
-        "fwd+bwd": "fwd-train plus torch.autograd.grad w.r.t. the four leaves",
-        "bwd": "fwd+bwd ms - fwd-train ms, each the median over its interleaved rounds",
-        "memory": "peak_gb: torch.cuda.max_memory_allocated during one call; extra_gb: that "
-        "peak minus memory_allocated just before the call (weights, inputs, leaf copies and "
-        "the reference's outputs excluded); held_gb: allocated after the call while its "
-        "result is alive, minus the same base (fwd-train: out and what autograd saved; "
-        "fwd+bwd: the gradients)",
-        "routing": "softmax: top-k of a softmax over normal logits, renormalized "
-        "(reference.routing); zipf s: k distinct experts per token drawn without replacement, "
-        "rank r with probability proportional to r^-s over a random permutation of the "
-        "experts, weights a softmax over normal logits at those experts, renormalized; "
-        "load_max_over_mean: the busiest expert's pairs over T*k/E",
-        "geomeans": f"over softmax-routed shapes only; large_T = T in {list(LARGE_T)}",
-    }
     quick = " (quick)" if args.quick and not args.section else ""
     if not args.training:
         fwd_rows = rows["fwd"]
@@ -1023,6 +1040,52 @@ def finish(args, meta, ceilings, live, skips, rows, started):
     }
     harness.publish(OP, args, sections, doc, bench_extra)
     return doc
+
+
+def combine(args):
+    """One results section set and JSON from several runs of one tree on one machine (a full
+    training run does not fit one call of the 600 s a GPU machine allows a command): each
+    shape's rows come from the last run that timed it in every mode, the runs' commands,
+    dates and ceilings stay in the JSON's meta."""
+    docs = [json.loads(Path(path).read_text()) for path in args.combine.split(",")]
+    first = docs[0]["meta"]
+    for doc in docs:
+        meta = doc["meta"]
+        if meta["commit"] != first["commit"] or meta["training"] != args.training:
+            sys.exit(
+                f"--combine: {meta['command']!r} ran commit {meta['commit']} with training="
+                f"{meta['training']}; every run must be of commit {first['commit']} and "
+                f"training={args.training} (pass --training to combine training runs)"
+            )
+    modes = TRAINING_MODES if args.training else ("fwd",)
+    shapes = {}
+    for doc in docs:
+        by_shape = {}
+        for r in doc["rows"]:
+            key = (r["config"], r["T"], r.get("routing"), r.get("tensor"))
+            by_shape.setdefault(key, []).append(r)
+        for key, shape_rows in by_shape.items():
+            if key[3] is not None or {r["mode"] for r in shape_rows} >= set(modes):
+                shapes[key] = shape_rows
+    rows = {mode: [] for mode in modes}
+    for shape_rows in shapes.values():
+        for r in shape_rows:
+            rows.setdefault(r["mode"], []).append(r)
+    meta = dict(first)
+    meta["command"] = " ; then ".join(doc["meta"]["command"] for doc in docs)
+    meta["peers"] = {name: p for doc in docs for name, p in doc["meta"]["peers"].items()}
+    meta["runs"] = [
+        {
+            "command": doc["meta"]["command"],
+            "date": doc["meta"]["date"],
+            "ceilings": doc["ceilings"],
+            "elapsed_s": doc["elapsed_s"],
+        }
+        for doc in docs
+    ]
+    skips = list({json.dumps(s, sort_keys=True): s for doc in docs for s in doc["skips"]}.values())
+    elapsed = sum(doc["elapsed_s"] for doc in docs)
+    return publish(args, meta, docs[0]["ceilings"], skips, rows, elapsed)
 
 
 def check_rows(args, doc):
@@ -1111,17 +1174,41 @@ def self_test(args, argv):
         )
         problems += [
             f"{'training' if run_args.training else 'forward'} run: {p}"
-            for p in check_rows(run_args, doc)
+            for p in check_rows(run_args, doc) + check_combine(run_args, doc, scratch)
         ]
     harness.self_test_verdict(
-        problems, scratch, f"{total} rows in {len(runs)} runs, files and --merge"
+        problems, scratch, f"{total} rows in {len(runs)} runs, files, --merge and --combine"
     )
+
+
+def check_combine(args, doc, scratch):
+    """Problems with --combine of the run's raw numbers split in two by shape: it must
+    give back the run's rows and geometric means."""
+    first = (doc["rows"][0]["config"], doc["rows"][0]["T"])
+    paths = []
+    for part in (True, False):
+        path = Path(scratch, f"combine-part-{int(part)}.json")
+        rows = [r for r in doc["rows"] if ((r["config"], r["T"]) == first) == part]
+        harness.write_json(path, {**doc, "rows": rows})
+        paths.append(str(path))
+    argv = ["--combine", ",".join(paths), "--results", str(Path(scratch, "combined.md"))]
+    argv += ["--results-json", str(Path(scratch, "combined.json"))]
+    combined = combine(parse_args([*argv, *(["--training"] if args.training else [])]))
+    problems = []
+    key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+    if sorted(map(key, combined["rows"])) != sorted(map(key, doc["rows"])):
+        problems.append("--combine of the run in two parts changed its rows")
+    if combined["geomeans"] != doc["geomeans"]:
+        problems.append("--combine of the run in two parts changed its geometric means")
+    return problems
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.merge:
         harness.merge(args, OP)
+    elif args.combine:
+        combine(args)
     elif args.self_test:
         self_test(args, list(sys.argv[1:] if argv is None else argv))
     else:
