@@ -2,7 +2,7 @@
 
     python benchmarks/flash_moe_kernels.py [--configs qwen3,mixtral] [--tokens 32768]
                                            [--routing softmax|one] [--steps 5]
-                                           [--impl ours|sonic]
+                                           [--impl ours|sonic] [--step train|fwd-train|fwd]
 
 Runs flash_moe.moe forward and backward (x, w, w2 and topk_weights requiring grad) a few
 times under torch.profiler and prints, per kernel, the mean device time per step and, for
@@ -11,7 +11,8 @@ template arguments), so dh, dxe and the weight gradients are told apart (dW2 and
 are one kernel, so one row). The step's own wall time is
 benchmarks/flash_moe.py --training's job; this splits it. ``--impl sonic`` splits SonicMoE's
 training step (peers.Sonic, its default configs, the step benchmarks/flash_moe.py times) the
-same way, by its kernels' names.
+same way, by its kernels' names. ``--step fwd-train`` splits the training forward alone and
+``--step fwd`` the forward op (split=True): what keeping z costs the forward.
 """
 
 from __future__ import annotations
@@ -62,16 +63,22 @@ def label_of(name, table=KERNELS):
     return name[:80], 0
 
 
-def make_step(impl, fm, x, w, w2, ids, wts, grad_out):
-    """(the training step as benchmarks/flash_moe.py --training times it: forward and backward
-    of x, w, w2 and topk_weights, peers' forward_backward; its kernel table)."""
+def make_step(impl, fm, x, w, w2, ids, wts, grad_out, what="train"):
+    """(what benchmarks/flash_moe.py times, through peers: ``train`` the training step (forward
+    and backward of x, w, w2 and topk_weights), ``fwd-train`` its forward alone, ``fwd`` the
+    forward op (split=True, no autograd); its kernel table)."""
     import peers
 
     if impl == "sonic":
         peer, table = peers.Sonic(tuned=False), SONIC_KERNELS
     else:
         peer, table = peers.Ours(fm, True), KERNELS
-    return peer.forward_backward(peer.prepare(w, w2), x, w, w2, ids, wts, grad_out), table
+    state = peer.prepare(w, w2)
+    if what == "fwd":
+        return peer.forward(state, x, ids, wts), table
+    if what == "fwd-train":
+        return peer.forward_train(state, x, w, w2, ids, wts), table
+    return peer.forward_backward(state, x, w, w2, ids, wts, grad_out), table
 
 
 def parse_args(argv=None):
@@ -89,6 +96,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--impl", choices=("ours", "sonic"), default="ours")
+    p.add_argument(
+        "--step",
+        choices=("train", "fwd-train", "fwd"),
+        default="train",
+        help="train: forward + backward; fwd-train: the training forward alone (keeping what "
+        "backward reads); fwd: the forward op, split=True (default train)",
+    )
     return p.parse_args(argv)
 
 
@@ -113,7 +127,7 @@ def main(argv=None):
             if args.routing == "one":
                 ids = torch.arange(k, dtype=torch.int32, device=device).expand(T, k).contiguous()
             grad_out = (0.1 * torch.randn(x.shape, generator=gen, device=device)).to(x.dtype)
-            step, table = make_step(args.impl, fm, x, w, w2, ids, wts, grad_out)
+            step, table = make_step(args.impl, fm, x, w, w2, ids, wts, grad_out, args.step)
             for _ in range(2 if args.steps else 1):
                 step()
             torch.cuda.synchronize()
@@ -142,8 +156,8 @@ def main(argv=None):
                 rows[name] = (ms + us / 1000 / args.steps, flops)
             total = sum(ms for ms, _ in rows.values())
             print(
-                f"== {args.impl}: {label} T={T} ({args.routing} routing): {total:.3f} ms of "
-                "kernels a step, "
+                f"== {args.impl} {args.step}: {label} T={T} ({args.routing} routing): "
+                f"{total:.3f} ms of kernels a step, "
                 f"{wall_ms:.3f} ms a step back to back (events, without the profiler)"
             )
             for name, (ms, flops) in sorted(rows.items(), key=lambda r: -r[1][0]):
