@@ -13,8 +13,9 @@
 //              Training (problem.keep_z, bf16 only): the same, with the gate/up epilogue also
 //              keeping z = [g | u] and pair_to_row written to the caller's tensors, for backward.
 // split=false: gate/up GEMM into h, then the down GEMM adds weight * y straight into the
-//              caller-zeroed out with bf16x2 atomics: two kernels, since the down GEMM of a
-//              block needs all H columns of h, which come from ceil(H / block_n) CTAs.
+//              caller-zeroed out with 16-byte bf16 reductions: two kernels, since the down
+//              GEMM of a block needs all H columns of h, which come from ceil(H / block_n)
+//              CTAs.
 #pragma once
 
 #include <cuda_bf16.h>

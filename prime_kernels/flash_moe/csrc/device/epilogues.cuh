@@ -10,8 +10,8 @@
 //   StoreRows          down, split=true: y = bf16(acc) into the (max_padded, D) workspace,
 //                      combined later in a fixed order (deterministic, combine.cuh); the
 //                      backward's dx per pair (dxe) likewise;
-//   WeightedAtomicAdd  down, split=false: out[token] += topk_weight * acc with bf16x2
-//                      atomics (the caller zeroed out; the k contributions land in any order);
+//   WeightedAtomicAdd  down, split=false: out[token] += topk_weight * acc with 16-byte bf16
+//                      reductions (the caller zeroed out; the k contributions land in any order);
 //   SwiGluBackward     dh: from dh' = dO w2_e (the accumulators) and the kept z, the SwiGLU
 //                      backward dz = [dg | du], y1s = bf16(s h) and <dh', h> per pair
 //                      and n tile;
