@@ -30,8 +30,11 @@ the median over ``--rounds`` interleaved rounds per shape:
   grad enabled, output kept with what autograd saved) and forward + backward (``fwd+bwd``:
   the gradients dx, dw, dw2 and dtopk_weights, each checked against grouped-mm's), both
   with the memory they allocate above what was allocated before them (weights and inputs
-  excluded), and the backward alone as their difference (``bwd``). Uniform (softmax top-k)
-  routing, plus a Zipf-routed shape (``--zipf``; default Qwen3 at the largest T). Sections
+  excluded), and the backward alone as their difference (``bwd``); among the training
+  forward's rows ours' forward op without autograd (``forward op``, split=True), timed in the
+  same rounds, so that what the training forward costs over it is measured in one sitting.
+  Uniform (softmax top-k) routing, plus a Zipf-routed shape (``--zipf``; default Qwen3 at
+  the largest T). Sections
   ``training`` (the step), ``training-backward`` and ``training-forward``, raw numbers in
   benchmarks/results/flash_moe-training.json.
 
@@ -114,6 +117,8 @@ ERR_FLAG = 2e-2  # relative error vs grouped-mm above which a row is flagged
 MXFP8_ERR_FLAG = 1e-1
 MXFP8_IMPLS = (peers.MXFP8, peers.MXFP8_QUANT)
 BF16 = "ours split=True"  # what the MXFP8 rows are compared with: fused_moe_mxfp8 splits too
+# the training forward's row of ours' forward op (no autograd), timed in the same rounds
+FORWARD_OP = "forward op"
 QUANTIZE = "quantize"  # the mode of the quantizers' rows
 QUANTIZE_BAR = (32768, 7168)  # the x shape of the quantizer's bar: >= 75% of the copy rate
 QUANTIZE_BAR_FRAC = 0.75
@@ -436,6 +441,9 @@ def load_impls(args, device, session):
             if reason is not None:
                 for name in ("ours", *(MXFP8_IMPLS if args.mxfp8 else ())):
                     session.skip(name, reason)
+    bf16 = next((i for i in impls if i.name == BF16), None)
+    if args.training and bf16 is not None:
+        impls.append(ForwardOp(bf16))
     impls.append(peers.GroupedMM())  # always: the reference
     if not args.tune_peers:
         os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
@@ -453,6 +461,27 @@ def load_impls(args, device, session):
             session.skip(name, str(exc))
     session.skips.append({"impl": "vllm", "reason": peers.VLLM_REASON})
     return impls
+
+
+class ForwardOp(peers.Impl):
+    """Ours' forward op (split=True, no autograd) as a row of the training forward, timed in
+    the same rounds: ours' ``x vs forward op`` there is what keeping z and recording the
+    autograd graph cost the forward, measured in one sitting."""
+
+    name = FORWARD_OP
+    kind = "reference"  # compared with, and not itself an implementation under test
+
+    def __init__(self, ours):
+        self.ours = ours
+
+    def settings(self):
+        return {**super().settings(), "op": f"{self.ours.name}'s forward, no autograd"}
+
+    def prepare(self, w, w2):
+        return self.ours.prepare(w, w2)
+
+    def forward_train(self, state, x, w, w2, topk_ids, topk_weights):
+        return self.ours.forward(state, x, topk_ids, topk_weights)
 
 
 class SelfTestOurs(peers.Impl):
@@ -625,7 +654,7 @@ def run(args):
             return
         grad_out = (torch.randn(x.shape, generator=gen, device=device) * 0.1).to(x.dtype)
         step = session.time_shape(
-            trainers,
+            [t for t in trainers if not isinstance(t, ForwardOp)],
             where,
             "fwd+bwd",
             lambda impl: impl.forward_backward(states[impl.name], x, w, w2, ids, wts, grad_out),
@@ -831,7 +860,8 @@ MODE_LEGEND = {
         "peak allocated during one call minus what was allocated just before it (weights and "
         "inputs excluded); kept GB = what is still allocated after it while its output is "
         "alive, minus the same base (the output and what the backward will read). "
-        "rel err = ‖out − grouped-mm‖/‖grouped-mm‖"
+        f"{FORWARD_OP} = ours' forward op (moe_align + fused_moe_bf16, split=True) without "
+        "autograd, timed in the same rounds. rel err = ‖out − grouped-mm‖/‖grouped-mm‖"
     ),
     "fwd+bwd": (
         "Forward and backward, returning dx, dw, dw2 and dtopk_weights. TFLOP/s counts "
@@ -1095,6 +1125,8 @@ def check_rows(args, doc):
     ours = [] if args.no_ours else ["ours split=True", "ours split=False"]
     if args.training:
         want = {mode: {"grouped-mm", *(["ours"] if ours else [])} for mode in TRAINING_MODES}
+        if ours:
+            want["fwd-train"].add(FORWARD_OP)
     else:
         want = {"fwd": {"grouped-mm", *ours, *(MXFP8_IMPLS if args.mxfp8 else ())}}
     shapes = [(T, SOFTMAX) for T in args.tokens_list]
@@ -1139,6 +1171,8 @@ def check_rows(args, doc):
                 problems.append(f"{where}: GB/s")
             if r["kind"] == "ours" and (r["impl"] in MXFP8_IMPLS) != (BF16 in r["speedup"]):
                 problems.append(f"{where}: speedup against {BF16}")
+        if r["mode"] == "fwd-train" and r["kind"] == "ours" and FORWARD_OP not in r["speedup"]:
+            problems.append(f"{where}: speedup against {FORWARD_OP}")
         if r["mode"] in ("fwd-train", "fwd+bwd") and not {"extra_gb", "held_gb"} <= set(r):
             problems.append(f"{where}: memory")
         if r["mode"] in ("fwd+bwd", "bwd") and r["kind"] != "baseline":
