@@ -69,6 +69,23 @@ __device__ __forceinline__ float sigmoid_approx(float g) {
   return r;
 }
 
+// Row half i's 32-column group a of a warpgroup's accumulators, times `scale`, as lane q of
+// the quad will store it: bf16 columns 32a + 8q .. + 8 (after a quad transpose), so that a
+// warp's 16-byte accesses cover whole 32-byte sectors of its rows. Every lane must run it (the
+// transpose shuffles the whole warp).
+template <int kMmas, int kRegs>
+__device__ __forceinline__ void quad_row_group(const float (&acc)[kMmas][kRegs], int i, int a,
+                                               float scale, uint32_t (&v)[4]) {
+  using namespace prime_kernels;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int j = 4 * a + t;
+    v[t] = bf162_bits(__floats2bfloat162_rn(scale * wgmma_acc_at(acc, 4 * j + 2 * i),
+                                            scale * wgmma_acc_at(acc, 4 * j + 2 * i + 1)));
+  }
+  quad_transpose(v);
+}
+
 template <bool kKeepZ>
 struct SwiGluToH {
   static constexpr int kNumB = 2;  // gate tile, up tile
@@ -137,8 +154,6 @@ struct StoreRows {
                                                const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
                                                const MoeWorkTile& /*w*/, int row0, int col0) {
     using namespace prime_kernels;
-    // 16-byte stores, as in SwiGluBackward: lane q of a quad stores the 8 columns of j = 4a + q
-    // after a quad transpose, so a warp's store covers whole 32-byte sectors of its rows.
     constexpr int kGroups = kMmas * kRegs * 2 / 32;
     const int lane_col = 8 * (threadIdx.x % 4);
 #pragma unroll
@@ -147,13 +162,7 @@ struct StoreRows {
 #pragma unroll
       for (int a = 0; a < kGroups; ++a) {
         uint32_t v[4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const int j = 4 * a + t;
-          v[t] = bf162_bits(__floats2bfloat162_rn(wgmma_acc_at(acc, 4 * j + 2 * i),
-                                                  wgmma_acc_at(acc, 4 * j + 2 * i + 1)));
-        }
-        quad_transpose(v);
+        quad_row_group(acc, i, a, 1.0f, v);
         const int col = col0 + 32 * a + lane_col;
         if (col >= p.n_dim) continue;  // partial last n tile (D % block_n != 0)
         *reinterpret_cast<uint4*>(dst + col) = make_uint4(v[0], v[1], v[2], v[3]);
@@ -166,10 +175,9 @@ struct WeightedAtomicAdd {
   static constexpr int kNumB = 1;
   static constexpr bool kWritesPaddingRows = false;
 
-  // 16-byte reductions in StoreRows' layout (lane q of a quad adds the 8 columns of j = 4a + q
-  // after a quad transpose): a quarter of the requests of one bf16x2 atomic per 2 columns, which
-  // made split=false 1.22x split=true's time at Qwen3-30B-A3B T = 32768. out is 16-byte
-  // aligned and D a multiple of 64 (the binding's rules).
+  // 16-byte reductions in StoreRows' layout (quad_row_group): a quarter of the requests of one
+  // bf16x2 atomic per 2 columns, which made split=false 1.22x split=true's time at
+  // Qwen3-30B-A3B T = 32768. out is 16-byte aligned and D a multiple of 64 (the binding's rules).
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int npp,
                                                const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
@@ -187,13 +195,7 @@ struct WeightedAtomicAdd {
 #pragma unroll
       for (int a = 0; a < kGroups; ++a) {
         uint32_t v[4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const int j = 4 * a + t;
-          v[t] = bf162_bits(__floats2bfloat162_rn(weight * wgmma_acc_at(acc, 4 * j + 2 * i),
-                                                  weight * wgmma_acc_at(acc, 4 * j + 2 * i + 1)));
-        }
-        quad_transpose(v);
+        quad_row_group(acc, i, a, weight, v);
         const int col = col0 + 32 * a + lane_col;
         if (!routed || col >= p.n_dim) continue;  // col: partial last n tile (D % block_n)
         red_add_bf16x8(dst + col, v);
