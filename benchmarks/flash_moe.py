@@ -1267,8 +1267,11 @@ def check_combine(args, doc, scratch):
     argv += ["--results-json", str(Path(scratch, "combined.json"))]
     combined = combine(parse_args([*argv, *(["--training"] if args.training else [])]))
     problems = []
-    key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
-    if sorted(map(key, combined["rows"])) != sorted(map(key, doc["rows"])):
+
+    def texts(rows):
+        return sorted(json.dumps(r, sort_keys=True) for r in rows)
+
+    if texts(combined["rows"]) != texts(doc["rows"]):
         problems.append("--combine of the run in two parts changed its rows")
     if combined["geomeans"] != doc["geomeans"]:
         problems.append("--combine of the run in two parts changed its geometric means")
