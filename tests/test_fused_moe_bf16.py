@@ -286,6 +286,9 @@ flash_moe.fused_moe_bf16(x, w, w2, *aligned, weights, out, k, 128, 64, 4, 2, 1, 
 flash_moe.fused_moe_bf16(x, w, w2, *aligned, weights, out, k, block_n=64, stages=3)
 flash_moe.set_num_sms(8)
 flash_moe.fused_moe_bf16(x, w, w2, *aligned, weights, out, k)
+flash_moe.set_num_sms(0)
+few = flash_moe.moe_align(ids[:16], E)
+flash_moe.fused_moe_bf16(x[:16], w, w2, *few, weights[:16], out[:16], k)
 torch.cuda.synchronize()
 """
 
@@ -293,7 +296,7 @@ torch.cuda.synchronize()
 def test_print_config_shows_what_hints_became(flash_moe):
     """The original's (64, 4, 2) takes the tuned tile (128 wide and as deep as shared memory
     allows at this size); this kernel's own block_n and stages are kept; set_num_sms caps
-    the persistent grid."""
+    the persistent grid; decode-sized routing (2 rows an expert) takes the 64-wide tile."""
     import os
     import subprocess
     import sys
@@ -306,13 +309,16 @@ def test_print_config_shows_what_hints_became(flash_moe):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("fused_moe_bf16:")]
-    assert len(lines) == 3, result.stderr
-    (original, asked), (pinned, _), (capped, _) = (line.split("; asked ") for line in lines)
+    assert len(lines) == 4, result.stderr
+    (original, asked), (pinned, _), (capped, _), (decode, _) = (
+        line.split("; asked ") for line in lines
+    )
     assert asked.startswith("block_n=64 warp_n=4 stages=2") and "Blackwell tile" in asked
     assert "block_n=128 " in original and "stages=2 " not in original
     assert "block_n=64 " in pinned and "stages=3 " in pinned
     all_sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert "sms=8 " in capped and f"sms={all_sms} " in original
+    assert "block_n=64 " in decode and f"sms={all_sms} " in decode
 
 
 def test_num_sms_cap(flash_moe, seed):
