@@ -28,6 +28,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "epilogues.cuh"
 #include "loaders.cuh"
@@ -63,9 +64,14 @@ struct MoeGemm {
   using Scheduler = Scheduler_;
   using Consumers = Consumers_<Tile, typename ALoad::Layout, typename BLoad::Layout>;
   static constexpr int kClusterM = kClusterM_;
+  static constexpr bool kFenceGenericWrites =
+      ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites;
+  // Register-A consumers (MXFP8 weights widened in registers) run their own K loop over the
+  // same ring (mma.cuh).
   using Mainloop =
-      WarpgroupMainloop<Tile, Consumers, ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites,
-                        kClusterM>;
+      std::conditional_t<Consumers::kRegisterA,
+                         WarpgroupMainloopRS<Tile, Consumers, kFenceGenericWrites>,
+                         WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites, kClusterM>>;
 
   static constexpr int kThreads = 128 * (1 + Consumers::kWarpgroups);
   static constexpr int kProducerThreads =
@@ -105,11 +111,13 @@ struct MoeGemm {
 
   static_assert(BLoad::kExtraSmemBytes % 1024 == 0, "the stage buffers after it stay aligned");
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of one or two CTAs along M");
+  static_assert(!Consumers::kRegisterA || kClusterM == 1, "the register-A loop has no clusters");
   static_assert(splits_b<BLoad>(kClusterM),
                 "a cluster splits the B tile's TMA boxes between its CTAs");
 
-  // The B loader's own shared memory (its staging, mxfp8_loaders.cuh), the ring, then
-  // (ping-pong) the two turn barriers.
+  // The B loader's own shared memory (its staging, mxfp8_loaders.cuh), the epilogue's
+  // (Tile::kEpilogueBytes, inside Tile::smem_bytes), the ring, then (ping-pong) the two turn
+  // barriers.
   static constexpr size_t smem_bytes(int stages) {
     return BLoad::kExtraSmemBytes + Tile::smem_bytes(stages) +
            (Consumers::kPingPong ? 2 * sizeof(uint64_t) : 0);
@@ -163,7 +171,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int stages = p.stages;
   uint8_t* smem_extra = smem;
-  uint8_t* smem_a = smem + BLoad::kExtraSmemBytes;
+  uint8_t* smem_epilogue = smem + BLoad::kExtraSmemBytes;
+  uint8_t* smem_a = smem_epilogue + Tile::kEpilogueBytes;
   uint8_t* smem_b = smem_a + size_t(stages) * Tile::kABytes;
   const StageRing ring(smem_b + size_t(stages) * Tile::kBBytes, stages);
   uint64_t* turn_barriers = ring.empty + stages;
@@ -256,7 +265,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     const int consumer = warpgroup - 1;
     const int m_offset = Consumers::m_offset(consumer);
     const int n_offset = Consumers::n_offset(consumer);
-    constexpr int kRows = 64 * Consumers::kMmaM;  // rows of the tile this warpgroup holds
+    // Rows of the tile this warpgroup holds: its tokens are wgmma's N with register-A consumers.
+    constexpr int kRows = Consumers::kRegisterA ? Consumers::kMmaN : 64 * Consumers::kMmaM;
     ConsumerTurns turns{turn_barriers};
     typename Mainloop::Accumulators acc;
     int seq = 0;  // the tile's place among the CTA's tiles (a cluster's missing ones too)
@@ -298,14 +308,26 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       const auto pass_turn = [&] {
         if constexpr (Consumers::kPingPong) turns.pass_turn(consumer);
       };
-      if (has_work)
-        Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.num_k_blocks, pass_turn);
-      else
-        pass_turn();
-      if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
+      if constexpr (Consumers::kRegisterA) {
+        // The accumulators are out^T: token rows row0 .. + kMmaN, output columns from col0.
+        if (has_work)
+          Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.n0 % 128,
+                        w.num_k_blocks, pass_turn);
+        if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
+        Kernel::Epilogue::store_transposed(p, sched.npp, acc, w, row0, col0,
+                                           smem_epilogue + consumer * (Tile::kEpilogueBytes / 2),
+                                           1 + consumer);
+      } else {
+        if (has_work)
+          Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.num_k_blocks,
+                        pass_turn);
+        else
+          pass_turn();
+        if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
 #pragma unroll
-      for (int mh = 0; mh < Consumers::kMmaM; ++mh)
-        Kernel::Epilogue::store(p, sched.npp, acc[mh], has_work, w, row0 + 64 * mh, col0);
+        for (int mh = 0; mh < Consumers::kMmaM; ++mh)
+          Kernel::Epilogue::store(p, sched.npp, acc[mh], has_work, w, row0 + 64 * mh, col0);
+      }
     }
   }
   // The partner may still copy into this CTA's stages or arrive on its barriers until both

@@ -20,9 +20,11 @@
 
 #include <cstdint>
 
+#include "epilogues.cuh"
 #include "moe_gemm_params.cuh"
 #include "mxfp8_loaders.cuh"
 #include "mxfp8_quantize.cuh"
+#include "prime_kernels/mbarrier.cuh"
 #include "prime_kernels/wgmma.cuh"
 #include "schedulers.cuh"
 
@@ -82,6 +84,78 @@ struct SwiGluToMxfp8 {
           const uint32_t word = bad ? 0x7FC07FC0u : mxfp8_pair_to_bf16x2(two, scale);
           *reinterpret_cast<uint32_t*>(dst + col) = word;
         }
+      }
+    }
+  }
+
+  // Register-A accumulators (RegisterAConsumers: acc[0] the gate rows h, acc[1] the up rows H + h
+  // of the same h, in the same registers; tokens along wgmma's N), the same numbers as store().
+  // After transposed_pair a lane holds, per j, one token's h at 4 columns (2 per i); the 32
+  // columns of an MXFP8 block of that token are those of lanes l ^ 8, l ^ 16 (the other column
+  // pairs of the warp) and of the same lane in warp w ^ 1 (16 columns a warp). The block's amax
+  // is taken on biased exponents (the largest |h| has the largest exponent field; 0xFF is
+  // NaN/Inf, as `bad`), 4 tokens a word: __vmaxu4 over two shuffles, then through 128 bytes of
+  // shared memory per warp (scratch) and a named barrier of the warpgroup (barrier_id).
+  template <int kMmas, int kRegs>
+  __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int /*npp*/,
+                                                          const float (&acc)[kMmas][kRegs],
+                                                          const MoeWorkTile& /*w*/, int row0,
+                                                          int col0, uint8_t* scratch,
+                                                          int barrier_id) {
+    using namespace prime_kernels;
+    static_assert(kMmas == 2, "a gate block and an up block");
+    constexpr int kSteps = kRegs / 4;         // token steps j (8 tokens each)
+    constexpr int kWords = (kSteps + 3) / 4;  // exponent bytes of 4 steps a word
+    static_assert(4 * 8 * kWords * 4 <= 512, "the warpgroup's 512 scratch bytes");
+    float2 h[kSteps][2];
+    uint32_t e[kWords] = {};
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      uint32_t ej = 0;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float2 g = transposed_pair(acc[0], i, j);
+        const float2 u = transposed_pair(acc[1], i, j);
+        h[j][i] = make_float2(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y);
+        ej = max(ej, max((__float_as_uint(h[j][i].x) >> 23) & 0xFF,
+                         (__float_as_uint(h[j][i].y) >> 23) & 0xFF));
+      }
+      e[j / 4] |= ej << (8 * (j % 4));
+    }
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) {
+      e[k] = __vmaxu4(e[k], __shfl_xor_sync(0xFFFFFFFFu, e[k], 8));
+      e[k] = __vmaxu4(e[k], __shfl_xor_sync(0xFFFFFFFFu, e[k], 16));
+    }
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    uint32_t* words = reinterpret_cast<uint32_t*>(scratch);
+    if ((lane & 24) == 0) {
+#pragma unroll
+      for (int k = 0; k < kWords; ++k) words[(warp * 8 + lane) * kWords + k] = e[k];
+    }
+    named_barrier_sync(barrier_id, 128);
+#pragma unroll
+    for (int k = 0; k < kWords; ++k)
+      e[k] = __vmaxu4(e[k], words[((warp ^ 1) * 8 + (lane & 7)) * kWords + k]);
+    named_barrier_sync(barrier_id, 128);  // read: the next tile may write the scratch
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const uint32_t exp = (e[j / 4] >> (8 * (j % 4))) & 0xFF;
+      const bool bad = exp == 0xFF;
+      const int s = max(int(exp) - 8, 0);  // exp <= 254: s <= 246
+      const float inv_scale = mxfp8_pow2(127 - s);
+      const float scale = mxfp8_pow2(s - 127);
+      __nv_bfloat16* dst = p.out + size_t(row0 + transposed_token(j)) * p.ld_out;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int col = col0 + transposed_column(i);
+        if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
+        const float v0 = fminf(fmaxf(__fmul_rn(h[j][i].x, inv_scale), -448.f), 448.f);
+        const float v1 = fminf(fmaxf(__fmul_rn(h[j][i].y, inv_scale), -448.f), 448.f);
+        const __nv_fp8x2_storage_t two =
+            __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t word = bad ? 0x7FC07FC0u : mxfp8_pair_to_bf16x2(two, scale);
+        *reinterpret_cast<uint32_t*>(dst + col) = word;
       }
     }
   }

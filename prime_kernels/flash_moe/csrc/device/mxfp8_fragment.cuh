@@ -38,6 +38,15 @@ namespace prime_moe {
 // Largest e8m0 scale whose 2^(s - 7) is a normal bf16 (exponent field s + 120 <= 254).
 constexpr uint32_t kMxfp8FastScaleMax = 134;
 
+// A 2-byte shared-memory read by address (ld.shared: a generic pointer into the dynamic shared
+// memory compiles to a generic LD, which pays the address-space check). Volatile: the bytes
+// come from TMA, so the read must stay after the stage's full-barrier wait.
+__device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return v;
+}
+
 // Row r0's two bytes (lo16_r0: column c in the low byte, c + 1 in the high) and row r1's as one
 // word: bytes {r0[c], r1[c], r0[c + 1], r1[c + 1]} (even bytes r0, odd bytes r1).
 __device__ __forceinline__ uint32_t mxfp8_fragment_word(uint32_t lo16_r0, uint32_t lo16_r1) {

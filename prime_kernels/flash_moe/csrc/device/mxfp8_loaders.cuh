@@ -55,6 +55,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "loaders.cuh"
 #include "moe_gemm_params.cuh"
 #include "mxfp8_quantize.cuh"
 #include "prime_kernels/mbarrier.cuh"
@@ -220,6 +221,54 @@ struct Mxfp8WeightTiles {
     fence_proxy_async_shared();
     mbarrier_arrive(full);
     ++step;
+  }
+};
+
+// The register-A path's weight loader (MoeGemmTileRS, RegisterAConsumers): thread 0 copies the
+// step's raw e4m3 weight tiles by TMA (64-byte swizzle: the consumers' 2-byte fragment reads of 8
+// rows hit 8 distinct bank groups, mxfp8_fragment.cuh) and the step's scale blocks (bulk copies)
+// straight into the stage; the consumers widen them in registers. No staging slots and no
+// producer threads besides thread 0: the ring itself is the fp8 in flight (33 KB stages at 128
+// tokens x 256 weight rows, 6 of them, against the widening path's 4 slots and 3 bf16 stages).
+// Rows and scale blocks as Mxfp8WeightTiles: a tile row past the expert's rows reads the last
+// scale block (its output columns are dropped).
+template <class Tile>
+struct Mxfp8WeightTilesRS : TmaLoader {
+  using Layout = prime_kernels::SmemKMajor;  // not read: the consumers address the bytes
+  static constexpr uint32_t kTmaBytes = Tile::kWeightBytes + Tile::kScaleBytes;
+
+  const uint8_t* scales = nullptr;  // the expert's blocked scales
+  int value_row = 0;                // tile 0's first row in the (E * rows, K) view
+  int n0 = 0;
+
+  using TmaLoader::TmaLoader;
+
+  __device__ __forceinline__ void start_tile(const MoeGemmParams& p, int /*npp*/,
+                                             const MoeWorkTile& w) {
+    value_row = w.expert * p.b_rows_per_expert + w.n0;
+    n0 = w.n0;
+    scales = p.b_scales + size_t(w.expert) * size_t(p.b_rows_per_expert) * size_t(p.k_dim / 32);
+  }
+
+  __device__ __forceinline__ void load(const MoeGemmParams& p, const CUtensorMap* map,
+                                       uint8_t* smem_b, uint64_t* full, int kb) const {
+    using namespace prime_kernels;
+    const uint32_t dst = smem_addr(smem_b);
+    const uint32_t bar = smem_addr(full);
+    const int row_tiles = p.b_rows_per_expert / 128;
+    const int col_tiles = p.k_dim / 128;  // (K/32) / 4 scale column tiles
+#pragma unroll
+    for (int b = 0; b < Tile::kNumB; ++b) {
+      tma_load_2d(dst + b * Tile::kBlockN * Tile::kBlockK, map, bar, kb * Tile::kBlockK,
+                  value_row + b * p.b_second_offset);
+      const int row_tile = (n0 + b * p.b_second_offset) / 128;
+#pragma unroll
+      for (int j = 0; j < Tile::kScaleBlocks; ++j) {
+        const int t = min(row_tile + j, row_tiles - 1);
+        bulk_copy_g2s(dst + Tile::kWeightBytes + (b * Tile::kScaleBlocks + j) * 512,
+                      scales + (size_t(t) * col_tiles + kb / 2) * 512, 512, bar);
+      }
+    }
   }
 };
 
