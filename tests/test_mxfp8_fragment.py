@@ -202,8 +202,9 @@ def test_nan_byte_detection():
         assert (has_nan(U32(0) * word, word) == ((b & U32(0x7F)) == U32(0x7F))).all()
 
 
+# The kernel and its launcher, and the torch wrapper (the host C++ side) that passes raw pointers.
 KERNEL = r"""
-#include <torch/extension.h>
+#include <cstdint>
 #include "device/mxfp8_fragment.cuh"
 
 __global__ void fragment_kernel(const uint32_t* in, uint32_t* out, int n) {
@@ -216,11 +217,18 @@ __global__ void fragment_kernel(const uint32_t* in, uint32_t* out, int n) {
   for (int r = 0; r < 4; ++r) out[4 * i + r] = a[r];
 }
 
+void launch_fragments(const uint32_t* in, uint32_t* out, int n) {
+  fragment_kernel<<<(n + 255) / 256, 256>>>(in, out, n);
+}
+"""
+
+WRAPPER = r"""
+#include <torch/extension.h>
+void launch_fragments(const uint32_t* in, uint32_t* out, int n);
 torch::Tensor fragments(torch::Tensor in) {
   auto out = torch::empty_like(in);
-  const int n = int(in.size(0));
-  fragment_kernel<<<(n + 255) / 256, 256>>>(reinterpret_cast<const uint32_t*>(in.data_ptr()),
-                                            reinterpret_cast<uint32_t*>(out.data_ptr()), n);
+  launch_fragments(reinterpret_cast<const uint32_t*>(in.data_ptr()),
+                   reinterpret_cast<uint32_t*>(out.data_ptr()), int(in.size(0)));
   return out;
 }
 """
@@ -241,10 +249,12 @@ def test_device_fragment_matches_dequantize_everywhere(tmp_path):
     spec = load_manifest(REPO / "prime_kernels" / "kernels.toml")["flash_moe"]
     module = load_inline(
         name="mxfp8_fragment_test",
-        cpp_sources="torch::Tensor fragments(torch::Tensor in);",
+        cpp_sources=WRAPPER,
         cuda_sources=KERNEL,
         functions=["fragments"],
-        extra_cuda_cflags=setup.nvcc_flags(spec),
+        # load_inline puts torch/types.h in front of the CUDA source, which the stable-ABI
+        # defines of setup.py refuse: the rest of its device flags.
+        extra_cuda_cflags=[f for f in setup.nvcc_flags(spec) if "TORCH_" not in f],
         extra_include_paths=[
             str(REPO / "prime_kernels" / "flash_moe" / "csrc"),
             str(REPO / "prime_kernels" / "include"),
