@@ -98,12 +98,16 @@ __device__ __forceinline__ int transposed_token(int j) {
 __device__ __forceinline__ int transposed_column(int i) {
   return ((threadIdx.x / 32) % 4) * 16 + ((threadIdx.x % 32) / 4 & ~1) + 8 * i;
 }
-template <int kRegs>
-__device__ __forceinline__ float2 transposed_pair(const float (&acc)[kRegs], int i, int j) {
+// c0, c1: a value of the thread's tokens 8 j + 2q and 8 j + 2q + 1 (the accumulator registers
+// 4 j + 2 i and 4 j + 2 i + 1, or anything computed from them).
+__device__ __forceinline__ float2 transposed_pair(float c0, float c1) {
   const bool odd = ((threadIdx.x / 4) & 1) != 0;
-  const float c0 = acc[4 * j + 2 * i], c1 = acc[4 * j + 2 * i + 1];  // tokens 2q, 2q + 1
   const float other = __shfl_xor_sync(0xFFFFFFFFu, odd ? c0 : c1, 4);
   return odd ? make_float2(other, c1) : make_float2(c0, other);
+}
+template <int kRegs>
+__device__ __forceinline__ float2 transposed_pair(const float (&acc)[kRegs], int i, int j) {
+  return transposed_pair(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]);
 }
 
 template <bool kKeepZ>

@@ -18,8 +18,8 @@
 //                       token rows of x and dO are first copied into padded-row order,
 //                       combine.cuh: gathered along K by cp.async they ran at half the
 //                       rate).
-// The MXFP8 weight loader (e4m3 weights and their scales, widened to bf16 by the producer
-// threads) is in mxfp8_loaders.cuh.
+// The MXFP8 weight loaders (e4m3 weights and their scales, raw for the consumers' register
+// widening, or widened to bf16 by the producer threads) are in mxfp8_loaders.cuh.
 //
 // In a 2-CTA cluster whose two tiles read the same B tile (same expert and n tile, MoeGemm
 // pairs them), each CTA copies half of the B tile's TMA boxes into both CTAs' stages (TMA

@@ -3,11 +3,13 @@
 // scheduler x consumer schedule (the MMA mainloop follows from the tile, the schedule and
 // the loaders' layouts):
 //   warpgroup 0      producer: the A and B tiles of each K step into the stage ring, by TMA
-//                    (thread 0) or cp.async gathers (the loaders, loaders.cuh), or for MXFP8
-//                    weights by TMA into a staging ring of its own and a widening pass
-//                    (mxfp8_loaders.cuh);
+//                    (thread 0) or cp.async gathers (the loaders, loaders.cuh); MXFP8 weights
+//                    as raw e4m3 and scales by TMA (mxfp8_loaders.cuh);
 //   warpgroups 1, 2  consumers: the MMA mainloop over the ring into fp32 registers, then
-//                    the epilogue from registers to global memory.
+//                    the epilogue from registers to global memory. With MXFP8 weights
+//                    (RegisterAConsumers, tile.cuh) they widen the weights in registers and
+//                    feed them as wgmma's register A operand: the accumulators hold out^T,
+//                    and the epilogues' store_transposed writes them.
 // The consumers either share each tile (CooperativeConsumers) or own alternate tiles and
 // take turns at the tensor cores (PingPongConsumers: one's epilogue under the other's
 // mainloop), tile.cuh. Tiles come from the scheduler: M-grouped over moe_align's expert blocks (the

@@ -114,9 +114,14 @@ struct SwiGluToMxfp8 {
       uint32_t ej = 0;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const float2 g = transposed_pair(acc[0], i, j);
-        const float2 u = transposed_pair(acc[1], i, j);
-        h[j][i] = make_float2(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y);
+        // SwiGLU in the accumulators' layout, then one exchange for h (not one for g and u).
+        float hc[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float g = acc[0][4 * j + 2 * i + c], u = acc[1][4 * j + 2 * i + c];
+          hc[c] = g / (1.0f + __expf(-g)) * u;
+        }
+        h[j][i] = transposed_pair(hc[0], hc[1]);
         ej = max(ej, max((__float_as_uint(h[j][i].x) >> 23) & 0xFF,
                          (__float_as_uint(h[j][i].y) >> 23) & 0xFF));
       }

@@ -41,10 +41,11 @@
 // bf16 B), the gather's 16 KB, the staging's 16 KB of fp8 and this widening's 16 KB read and
 // 32 KB written: 128 KB, all that the SM's shared memory moves in that time; at decode sizes the
 // 4-8 staging slots hold ~64 KB of fp8 per SM against bf16's 128-192 KB of stages, and each tile
-// starts its staging from scratch. Next: widen in registers instead (the weights as wgmma's
-// register A operand, out^T = w x^T, so fp8 is read once from shared memory and never written
-// back), more fp8 in flight at decode sizes (fewer bf16 stages, more slots), and the next tile's
-// first steps fetched during the current tile's last (docs/flash_moe_mxfp8_design.md).
+// starts its staging from scratch. The forward now widens in registers instead
+// (Mxfp8WeightTilesRS below, mma.cuh's WarpgroupMainloopRS: the weights as wgmma's register A
+// operand, out^T = w x^T, so fp8 is read once from shared memory and never written back, and the
+// ring itself holds the fp8 in flight); this loader stays for an A/B (forward_kernels.h's
+// Mxfp8SmemWeights).
 #pragma once
 
 #include <cuda.h>
