@@ -212,8 +212,7 @@ __global__ void fragment_kernel(const uint32_t* in, uint32_t* out, int n) {
   if (i >= n) return;
   const uint32_t lo = in[4 * i], hi = in[4 * i + 1], s0 = in[4 * i + 2], s1 = in[4 * i + 3];
   uint32_t a[4];
-  prime_moe::mxfp8_fragment(lo, hi, s0, s1, prime_moe::mxfp8_fast_scale_bf16x2(s0),
-                            prime_moe::mxfp8_fast_scale_bf16x2(s1), a);
+  prime_moe::mxfp8_fragment(lo, hi, s0, s1, a);
   for (int r = 0; r < 4; ++r) out[4 * i + r] = a[r];
 }
 

@@ -167,13 +167,23 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
       const uint32_t weights = smem_addr(smem_b) + rs.stage * Tile::kBBytes;
       const uint64_t desc_b =
           ALayout::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128);
-      // The slice's two 32-blocks' scales of rows r0 and r1: one 2-byte read each.
-      uint32_t scales[kMmaM][2];
+      // The slice's two 32-blocks' scales of rows r0 and r1 (one 2-byte read each), their
+      // bf16x2 multipliers and whether both are fast-path scales, once per slice.
+      uint32_t scales[kMmaM][2], fast[kMmaM][2][2];
+      bool scales_fast[kMmaM][2];
 #pragma unroll
       for (int mh = 0; mh < kMmaM; ++mh) {
         const uint32_t at = weights + scale_at[mh] + 2 * (kb & 1);
         scales[mh][0] = ld_shared_u16(at);
         scales[mh][1] = ld_shared_u16(at + 128);
+#pragma unroll
+        for (int block = 0; block < 2; ++block) {
+          const uint32_t s0 = (scales[mh][0] >> (8 * block)) & 0xFF;
+          const uint32_t s1 = (scales[mh][1] >> (8 * block)) & 0xFF;
+          fast[mh][block][0] = mxfp8_fast_scale_bf16x2(s0);
+          fast[mh][block][1] = mxfp8_fast_scale_bf16x2(s1);
+          scales_fast[mh][block] = max(s0, s1) <= kMxfp8FastScaleMax;
+        }
       }
       uint32_t raw[kMmaM][2];
       const auto load_raw = [&](int kk) {
@@ -197,8 +207,8 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
         for (int mh = 0; mh < kMmaM; ++mh) {
           const uint32_t s0 = (scales[mh][0] >> (8 * block)) & 0xFF;
           const uint32_t s1 = (scales[mh][1] >> (8 * block)) & 0xFF;
-          mxfp8_fragment(raw[mh][0], raw[mh][1], s0, s1, mxfp8_fast_scale_bf16x2(s0),
-                         mxfp8_fast_scale_bf16x2(s1), frag[buf][mh]);
+          mxfp8_fragment(raw[mh][0], raw[mh][1], s0, s1, fast[mh][block][0], fast[mh][block][1],
+                         scales_fast[mh][block], frag[buf][mh]);
           wgmma_fence_operands(frag[buf][mh]);
         }
         wgmma_fence();

@@ -82,10 +82,14 @@ __device__ __forceinline__ bool e4m3_has_nan(uint32_t lo, uint32_t hi) {
 
 // The fragment's 4 bf16x2 registers from its two words (columns 2q, 2q + 1 and 2q + 8, 2q + 9;
 // mxfp8_fragment_word) and the e8m0 scales s0 (row r0) and s1 (row r1) of its 32-block.
-// fast0, fast1: mxfp8_fast_scale_bf16x2 of s0, s1, worked out once per block.
+// fast0, fast1: mxfp8_fast_scale_bf16x2 of s0, s1, and scales_fast: both at most
+// kMxfp8FastScaleMax, worked out once per stage by the mainloop (a 32-block spans two k16
+// steps). One branch: the two conditions are combined without short-circuit, which would nest
+// two.
 __device__ __forceinline__ void mxfp8_fragment(uint32_t lo, uint32_t hi, uint32_t s0, uint32_t s1,
-                                               uint32_t fast0, uint32_t fast1, uint32_t (&a)[4]) {
-  if (max(s0, s1) <= kMxfp8FastScaleMax && !e4m3_has_nan(lo, hi)) {
+                                               uint32_t fast0, uint32_t fast1, bool scales_fast,
+                                               uint32_t (&a)[4]) {
+  if (scales_fast & !e4m3_has_nan(lo, hi)) {
     a[0] = bf16x2_mul_rn(e4m3_even_bytes_biased_bf16x2(lo), fast0);
     a[1] = bf16x2_mul_rn(e4m3_odd_bytes_biased_bf16x2(lo), fast1);
     a[2] = bf16x2_mul_rn(e4m3_even_bytes_biased_bf16x2(hi), fast0);
@@ -98,6 +102,13 @@ __device__ __forceinline__ void mxfp8_fragment(uint32_t lo, uint32_t hi, uint32_
     a[2] = mxfp8_pair_to_bf16x2(__byte_perm(hi, 0, 0x4420), scale0);
     a[3] = mxfp8_pair_to_bf16x2(__byte_perm(hi, 0, 0x4431), scale1);
   }
+}
+
+// The same from the two words and scale bytes alone (the per-stage parts worked out here).
+__device__ __forceinline__ void mxfp8_fragment(uint32_t lo, uint32_t hi, uint32_t s0, uint32_t s1,
+                                               uint32_t (&a)[4]) {
+  mxfp8_fragment(lo, hi, s0, s1, mxfp8_fast_scale_bf16x2(s0), mxfp8_fast_scale_bf16x2(s1),
+                 max(s0, s1) <= kMxfp8FastScaleMax, a);
 }
 
 }  // namespace prime_moe
