@@ -40,20 +40,38 @@ class Config:
         self.scale_blocks = block_n // 128 if block_n > 128 else 1
         self.weight_bytes = num_b * block_n * BLOCK_K
         # RegisterAConsumers
-        self.split_rows = block_n >= 128
-        self.mma_per_tile = block_n // 128 if self.split_rows else 1
-        self.mma_m = num_b * self.mma_per_tile
-        self.mma_n = block_m if self.split_rows else block_m // 2
-        self.wg_rows = block_n // 2 if self.split_rows else block_n
-
-    def m_offset(self, c):
-        return 0 if self.split_rows else c * self.mma_n
+        self.interleaved = num_b == 2 and block_n == 64
+        self.mma_per_tile = 1 if self.interleaved else block_n // 128
+        self.mma_m = 1 if self.interleaved else num_b * self.mma_per_tile
+        self.wg_rows = block_n // 2
 
     def n_offset(self, c):
-        return c * self.wg_rows if self.split_rows else 0
+        return c * self.wg_rows
 
-    def block_row(self, mh):
-        return (mh // self.mma_per_tile) * self.block_n + (mh % self.mma_per_tile) * 64
+    def stage_row(self, mh, i, warp, g, row_offset):
+        """RegisterAConsumers::stage_row, transcribed."""
+        if self.interleaved:
+            return i * self.block_n + row_offset + 8 * warp + g
+        return (
+            (mh // self.mma_per_tile) * self.block_n
+            + (mh % self.mma_per_tile) * 64
+            + row_offset
+            + 16 * warp
+            + 8 * i
+            + g
+        )
+
+    def meaning(self, c, mh, m):
+        """What the epilogues take accumulator row m of m64 block mh to be: (weight tile,
+        output column). Down (StoreRows, WeightedAtomicAdd): column col0 + 64 mh + m. Gate/up,
+        split rows: tile mh (gate, up), column col0 + m. Interleaved: row half i = (m / 8) % 2
+        is the tile, column col0 + 8 (m / 16) + m % 8."""
+        col0 = self.n0 + self.n_offset(c)
+        if self.interleaved:
+            return (m // 8) % 2, col0 + 8 * (m // 16) + m % 8
+        if self.num_b == 2:
+            return mh, col0 + m
+        return 0, col0 + 64 * mh + m
 
 
 def stage_bytes(cfg: Config, weights, packed_scales, expert, kb):
@@ -87,27 +105,26 @@ def consumer_fragments(cfg: Config, smem, c, kb):
             g, q = lane // 4, lane % 4
             swizzle = (g >> 1) & 3
             for mh in range(cfg.mma_m):
-                tile = cfg.block_row(mh) // cfg.block_n
-                row = cfg.block_row(mh) % cfg.block_n + cfg.n_offset(c) + 16 * warp + g
-                value_at = (tile * cfg.block_n + row) * BLOCK_K + 2 * q
-                r = cfg.n0 % 128 + row
-                scale_at = (
-                    cfg.weight_bytes
-                    + (tile * cfg.scale_blocks + r // 128) * 512
-                    + (r % 32) * 16
-                    + (r % 128) // 32 * 4
-                )
+                value_at, scale_at = [], []
+                for i in range(2):
+                    row = cfg.stage_row(mh, i, warp, g, cfg.n_offset(c))
+                    assert (row >> 1) & 3 == swizzle  # the mainloop's one swizzle per thread
+                    tile = row // cfg.block_n
+                    value_at.append(row * BLOCK_K + 2 * q)
+                    r = cfg.n0 % 128 + row % cfg.block_n
+                    scale_at.append(
+                        cfg.weight_bytes
+                        + (tile * cfg.scale_blocks + r // 128) * 512
+                        + (r % 32) * 16
+                        + (r % 128) // 32 * 4
+                    )
                 for kk in range(4):
-                    r0 = value_at + 16 * (kk ^ swizzle)
-                    pieces = {
-                        "r0_lo": smem[r0 : r0 + 2],
-                        "r1_lo": smem[r0 + 8 * BLOCK_K : r0 + 8 * BLOCK_K + 2],
-                        "r0_hi": smem[r0 + 8 : r0 + 10],
-                        "r1_hi": smem[r0 + 8 * BLOCK_K + 8 : r0 + 8 * BLOCK_K + 10],
-                    }
-                    at = scale_at + 2 * (kb & 1) + kk // 2
-                    s0, s1 = smem[at], smem[at + 128]
-                    a = [pieces["r0_lo"], pieces["r1_lo"], pieces["r0_hi"], pieces["r1_hi"]]
+                    r0 = value_at[0] + 16 * (kk ^ swizzle)
+                    r1 = value_at[1] + 16 * (kk ^ swizzle)
+                    a = [smem[r0 : r0 + 2], smem[r1 : r1 + 2], smem[r0 + 8 : r0 + 10]]
+                    a.append(smem[r1 + 8 : r1 + 10])
+                    s0 = smem[scale_at[0] + 2 * (kb & 1) + kk // 2]
+                    s1 = smem[scale_at[1] + 2 * (kb & 1) + kk // 2]
                     result[(mh, kk, warp, lane)] = (a, s0, s1)
     return result
 
@@ -115,7 +132,7 @@ def consumer_fragments(cfg: Config, smem, c, kb):
 CONFIGS = [
     # (block_m, block_n, num_b, rows_per_expert, second_offset, k_dim, n0): H = D = 384
     (128, 128, 2, 768, 384, 256, 256),  # gate/up 128 x (128 + 128): rows split
-    (128, 64, 2, 768, 384, 256, 64),  # gate/up block_n 64: the upper half of a scale block
+    (128, 64, 2, 768, 384, 256, 64),  # gate/up block_n 64 (interleaved): upper scale half
     (64, 64, 2, 768, 384, 256, 128),
     (128, 256, 1, 384, 0, 384, 256),  # down: the last n tile, half past D
     (64, 128, 1, 384, 0, 384, 128),
@@ -137,26 +154,21 @@ def test_fragments_address_their_weights_and_scales(params):
             frags = consumer_fragments(cfg, smem, c, kb)
             for (mh, kk, warp, lane), (a, s0, s1) in frags.items():
                 g, q = lane // 4, lane % 4
-                tile = cfg.block_row(mh) // cfg.block_n
-                # PTX A fragment: a[0] = (16w + g, 2q..2q+1), a[1] = row + 8, a[2] = cols + 8,
-                # a[3] = both.
+                # PTX A fragment: a[0] = (row 16w + g, columns 2q, 2q + 1), a[1] = row + 8,
+                # a[2] = columns + 8, a[3] = both; the row means what the epilogue says.
                 for reg in range(4):
                     m = 16 * warp + g + 8 * (reg % 2)
-                    col0 = 2 * q + 8 * (reg // 2)
-                    out_col = cfg.n0 + cfg.n_offset(c) + cfg.block_row(mh) % cfg.block_n + m
-                    w_row = expert * cfg.rows_per_expert + tile * cfg.second_offset + out_col
-                    if w_row >= (expert + 1) * cfg.rows_per_expert:
-                        continue  # past the expert's rows: output columns the epilogue drops
-                    k0 = kb * BLOCK_K + 16 * kk + col0
-                    want = weights[w_row, k0 : k0 + 2]
+                    tile, out_col = cfg.meaning(c, mh, m)
+                    row = tile * cfg.second_offset + out_col  # the expert's weight row
+                    if out_col >= cfg.rows_per_expert // (2 if cfg.num_b == 2 else 1):
+                        continue  # past the GEMM's N: output columns the epilogue drops
+                    k0 = kb * BLOCK_K + 16 * kk + 2 * q + 8 * (reg // 2)
+                    want = weights[expert * cfg.rows_per_expert + row, k0 : k0 + 2]
                     assert list(a[reg]) == list(want), (params, c, mh, kk, warp, lane, reg)
-                for s, m in ((s0, 16 * warp + g), (s1, 16 * warp + g + 8)):
-                    out_col = cfg.n0 + cfg.n_offset(c) + cfg.block_row(mh) % cfg.block_n + m
-                    row = tile * cfg.second_offset + out_col
-                    if row >= cfg.rows_per_expert:
-                        continue
-                    block = (kb * BLOCK_K + 16 * kk) // 32
-                    assert s == scale_ids[expert, row, block].item(), (params, c, mh, kk, lane)
+                    if reg < 2:  # the row's scale: s0 for r0, s1 for r1
+                        block = (kb * BLOCK_K + 16 * kk) // 32
+                        s = s0 if reg == 0 else s1
+                        assert s == scale_ids[expert, row, block].item(), (params, c, mh, kk, lane)
 
 
 def transposed_pair_model(n_tokens):
@@ -201,20 +213,23 @@ def test_transposed_pairs_cover_the_tile_once(n_tokens):
     assert seen == {(m, t) for m in range(64) for t in range(n_tokens)}
 
 
-def test_mxfp8_block_reduction_spans_32_columns():
+@pytest.mark.parametrize("interleaved", [False, True], ids=["split", "interleaved"])
+def test_mxfp8_block_reduction_spans_32_columns(interleaved):
     """SwiGluToMxfp8::store_transposed: a token's amax combines lanes l, l ^ 8, l ^ 16, l ^ 24 of
-    warps w and w ^ 1, whose columns are exactly one 32-column block."""
+    warps w and w ^ 1 (split rows: h = 16 w + (g & ~1) + 8 i + {0, 1}) or of all 4 warps
+    (interleaved: h = 8 w + (g & ~1) + {0, 1}), whose columns are exactly one 32-column block."""
     for warp in range(4):
         for lane in range(32):
             g, q = lane // 4, lane % 4
             token = 2 * q + (g & 1)
             cols = set()
-            for w2 in (warp, warp ^ 1):
+            warps = range(4) if interleaved else (warp, warp ^ 1)
+            for w2 in warps:
                 for l2 in (lane, lane ^ 8, lane ^ 16, lane ^ 24):
                     g2, q2 = l2 // 4, l2 % 4
                     assert 2 * q2 + (g2 & 1) == token
-                    for i in range(2):
-                        c = 16 * w2 + (g2 & ~1) + 8 * i
+                    for i in range(1 if interleaved else 2):
+                        c = (8 * w2 if interleaved else 16 * w2 + 8 * i) + (g2 & ~1)
                         cols |= {c, c + 1}
-            block = (16 * warp) // 32
+            block = 0 if interleaved else (16 * warp) // 32
             assert cols == set(range(32 * block, 32 * block + 32))

@@ -133,7 +133,8 @@ struct ForwardKernels {
 
 // The register-A forward (Mxfp8Weights): every tile of the bf16 forward, with out^T accumulators.
 // Gate/up: block_m tokens x (block_n gate + block_n up) weight rows, as the bf16 tile; the two
-// consumer warpgroups split the h rows at block_n = 128 and the tokens at 64 (tile.cuh). Down:
+// consumer warpgroups split the h rows, each converting its own weight rows once for all the
+// tokens (at block_n = 64 with gate and up rows interleaved in one m64 block, tile.cuh). Down:
 // block_m tokens x 2 block_n output columns, cooperative (the bf16 forward's ping-pong 128 x 192
 // would need a 192-row weight tile: 3 m64 blocks of 64 tokens, 96 accumulators; not written yet),
 // so both GEMMs' stages are about the same size. Not yet measured (written without a GPU).

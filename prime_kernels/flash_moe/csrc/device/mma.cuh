@@ -133,6 +133,8 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
   // token_offset: the warpgroup's first token row (Consumers::m_offset); row_offset: its first
   // weight row of each tile (n_offset); scale_row0: the tile's first weight row modulo 128 (n0 %
   // 128: 64 for the odd 64-row tiles, which sit in the upper half of a 128-row scale block).
+  // Rows past the tile's scale blocks cannot occur: a tile of kBlockN <= 128 rows starting at
+  // n0 % 128 in {0, 64} ends inside its 128-row block, a larger one starts at n0 % 128 = 0.
   template <class Issued>
   __device__ __forceinline__ static void run(Accumulators& acc,
                                              const prime_kernels::StageRing& ring,
@@ -142,20 +144,23 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
     using namespace prime_kernels;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int g = lane / 4, q = lane % 4;
-    // Byte offsets in the stage's B buffer of the thread's row r0 of each m64 block (r1 = r0 +
-    // 8 is 512 bytes further and has the same swizzle: the 64-byte swizzle XORs the 16-byte
-    // chunk with (row / 2) % 4, which for r0 = 64 m + 16 warp + g is (g / 2) % 4), and of its
-    // scale bytes (r1's are 8 rows, 128 bytes, further: r0 % 32 + 8 stays below 32).
+    // Byte offsets in the stage's B buffer of the thread's fragment rows r0 (i = 0) and r1
+    // (i = 1) of each m64 block (Consumers::stage_row), and of their scale bytes. The 64-byte
+    // swizzle XORs the 16-byte chunk with (row / 2) % 4, which is (g / 2) % 4 for all of them
+    // (every stage row is g modulo 8).
     const int swizzle = (g >> 1) & 3;
-    int value_at[kMmaM], scale_at[kMmaM];
+    int value_at[kMmaM][2], scale_at[kMmaM][2];
 #pragma unroll
     for (int mh = 0; mh < kMmaM; ++mh) {
-      const int tile = Consumers::block_row(mh) / Tile::kBlockN;
-      const int row = Consumers::block_row(mh) % Tile::kBlockN + row_offset + 16 * warp + g;
-      value_at[mh] = (tile * Tile::kBlockN + row) * Tile::kBlockK + 2 * q;
-      const int r = scale_row0 + row;  // row of the tile's first scale block's rows
-      scale_at[mh] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
-                     (r % 32) * 16 + (r % 128) / 32 * 4;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = Consumers::stage_row(mh, i, warp, g, row_offset);
+        const int tile = row / Tile::kBlockN;
+        value_at[mh][i] = row * Tile::kBlockK + 2 * q;
+        const int r = scale_row0 + row % Tile::kBlockN;  // from the tile's first scale block
+        scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
+                          (r % 32) * 16 + (r % 128) / 32 * 4;
+      }
     }
 #pragma unroll
     for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
@@ -173,9 +178,8 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
       bool scales_fast[kMmaM][2];
 #pragma unroll
       for (int mh = 0; mh < kMmaM; ++mh) {
-        const uint32_t at = weights + scale_at[mh] + 2 * (kb & 1);
-        scales[mh][0] = ld_shared_u16(at);
-        scales[mh][1] = ld_shared_u16(at + 128);
+        scales[mh][0] = ld_shared_u16(weights + scale_at[mh][0] + 2 * (kb & 1));
+        scales[mh][1] = ld_shared_u16(weights + scale_at[mh][1] + 2 * (kb & 1));
 #pragma unroll
         for (int block = 0; block < 2; ++block) {
           const uint32_t s0 = (scales[mh][0] >> (8 * block)) & 0xFF;
@@ -189,11 +193,12 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
       const auto load_raw = [&](int kk) {
 #pragma unroll
         for (int mh = 0; mh < kMmaM; ++mh) {
-          const uint32_t r0 = weights + value_at[mh] + 16 * (kk ^ swizzle);
+          const uint32_t r0 = weights + value_at[mh][0] + 16 * (kk ^ swizzle);
+          const uint32_t r1 = weights + value_at[mh][1] + 16 * (kk ^ swizzle);
           const uint32_t r0_lo = ld_shared_u16(r0);
-          const uint32_t r1_lo = ld_shared_u16(r0 + 8 * Tile::kBlockK);
+          const uint32_t r1_lo = ld_shared_u16(r1);
           const uint32_t r0_hi = ld_shared_u16(r0 + 8);
-          const uint32_t r1_hi = ld_shared_u16(r0 + 8 * Tile::kBlockK + 8);
+          const uint32_t r1_hi = ld_shared_u16(r1 + 8);
           raw[mh][0] = mxfp8_fragment_word(r0_lo, r1_lo);
           raw[mh][1] = mxfp8_fragment_word(r0_hi, r1_hi);
         }

@@ -88,14 +88,17 @@ struct SwiGluToMxfp8 {
     }
   }
 
-  // Register-A accumulators (RegisterAConsumers: acc[0] the gate rows h, acc[1] the up rows H + h
-  // of the same h, in the same registers; tokens along wgmma's N), the same numbers as store().
-  // After transposed_pair a lane holds, per j, one token's h at 4 columns (2 per i); the 32
-  // columns of an MXFP8 block of that token are those of lanes l ^ 8, l ^ 16 (the other column
-  // pairs of the warp) and of the same lane in warp w ^ 1 (16 columns a warp). The block's amax
-  // is taken on biased exponents (the largest |h| has the largest exponent field; 0xFF is
-  // NaN/Inf, as `bad`), 4 tokens a word: __vmaxu4 over two shuffles, then through 128 bytes of
-  // shared memory per warp (scratch) and a named barrier of the warpgroup (barrier_id).
+  // Register-A accumulators (RegisterAConsumers, tokens along wgmma's N), the same numbers as
+  // store(). Two row layouts: split rows (kMmas = 2: acc[0] the gate rows h = 16 w + g + 8 i,
+  // acc[1] the up rows of the same h, in the same registers) and interleaved (kMmas = 1: row
+  // half i = 0 the gate and i = 1 the up row of h = 8 w + g). After transposed_pair a lane holds,
+  // per j, one token's h at 2 adjacent columns per row half; the 32 columns of that token's
+  // MXFP8 block are those of lanes l ^ 8, l ^ 16 (the warp's other column pairs) and of the same
+  // lane in warp w ^ 1 (split: 16 columns a warp) or in all 4 warps (interleaved: 8 a warp).
+  // The block's amax is taken on biased exponents (the largest |h| has the largest exponent
+  // field; 0xFF is NaN/Inf, as `bad`), 4 tokens a word: __vmaxu4 over two shuffles, then through
+  // 128 bytes of shared memory per warp (scratch) and a named barrier of the warpgroup
+  // (barrier_id).
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int /*npp*/,
                                                           const float (&acc)[kMmas][kRegs],
@@ -103,22 +106,26 @@ struct SwiGluToMxfp8 {
                                                           int col0, uint8_t* scratch,
                                                           int barrier_id) {
     using namespace prime_kernels;
-    static_assert(kMmas == 2, "a gate block and an up block");
-    constexpr int kSteps = kRegs / 4;         // token steps j (8 tokens each)
-    constexpr int kWords = (kSteps + 3) / 4;  // exponent bytes of 4 steps a word
+    static_assert(kMmas == 1 || kMmas == 2, "interleaved gate/up rows, or a gate and an up block");
+    constexpr bool kInterleaved = kMmas == 1;
+    constexpr int kHalves = kInterleaved ? 1 : 2;  // row halves of h a thread holds
+    constexpr int kSteps = kRegs / 4;              // token steps j (8 tokens each)
+    constexpr int kWords = (kSteps + 3) / 4;       // exponent bytes of 4 steps a word
     static_assert(4 * 8 * kWords * 4 <= 512, "the warpgroup's 512 scratch bytes");
-    float2 h[kSteps][2];
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    float2 h[kSteps][kHalves];
     uint32_t e[kWords] = {};
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
       uint32_t ej = 0;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < kHalves; ++i) {
         // SwiGLU in the accumulators' layout, then one exchange for h (not one for g and u).
         float hc[2];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const float g = acc[0][4 * j + 2 * i + c], u = acc[1][4 * j + 2 * i + c];
+          const float g = kInterleaved ? acc[0][4 * j + c] : acc[0][4 * j + 2 * i + c];
+          const float u = kInterleaved ? acc[0][4 * j + 2 + c] : acc[kMmas - 1][4 * j + 2 * i + c];
           hc[c] = g / (1.0f + __expf(-g)) * u;
         }
         h[j][i] = transposed_pair(hc[0], hc[1]);
@@ -132,7 +139,6 @@ struct SwiGluToMxfp8 {
       e[k] = __vmaxu4(e[k], __shfl_xor_sync(0xFFFFFFFFu, e[k], 8));
       e[k] = __vmaxu4(e[k], __shfl_xor_sync(0xFFFFFFFFu, e[k], 16));
     }
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     uint32_t* words = reinterpret_cast<uint32_t*>(scratch);
     if ((lane & 24) == 0) {
 #pragma unroll
@@ -140,8 +146,12 @@ struct SwiGluToMxfp8 {
     }
     named_barrier_sync(barrier_id, 128);
 #pragma unroll
-    for (int k = 0; k < kWords; ++k)
-      e[k] = __vmaxu4(e[k], words[((warp ^ 1) * 8 + (lane & 7)) * kWords + k]);
+    for (int other = 0; other < 4; ++other) {
+      if (!kInterleaved && other >> 1 != warp >> 1) continue;  // split: the warp pair only
+#pragma unroll
+      for (int k = 0; k < kWords; ++k)
+        e[k] = __vmaxu4(e[k], words[(other * 8 + (lane & 7)) * kWords + k]);
+    }
     named_barrier_sync(barrier_id, 128);  // read: the next tile may write the scratch
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
@@ -152,8 +162,8 @@ struct SwiGluToMxfp8 {
       const float scale = mxfp8_pow2(s - 127);
       __nv_bfloat16* dst = p.out + size_t(row0 + transposed_token(j)) * p.ld_out;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int col = col0 + transposed_column(i);
+      for (int i = 0; i < kHalves; ++i) {
+        const int col = col0 + (kInterleaved ? 8 * warp + ((lane / 4) & ~1) : transposed_column(i));
         if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
         const float v0 = fminf(fmaxf(__fmul_rn(h[j][i].x, inv_scale), -448.f), 448.f);
         const float v1 = fminf(fmaxf(__fmul_rn(h[j][i].y, inv_scale), -448.f), 448.f);

@@ -144,14 +144,19 @@ struct MoeGemmTileRS {
 };
 
 // Cooperative consumers of a register-A tile (MoeGemmTileRS): both warpgroups read every stage
-// and finish a tile together. Where a weight tile has 128 rows or more, each warpgroup takes half
-// of every weight tile's rows (kBlockN / 128 m64 blocks per tile) and all the tokens; a 64-row
-// weight tile is one m64 for both, which then take half the tokens each. For the gate/up GEMM
-// (kNumB = 2) a warpgroup thus holds gate rows h and up rows H + h of the same h, in the same
-// registers of its two m64 blocks (the SwiGLU stays in the thread). kMmaM m64 blocks of kMmaN
-// tokens: at most 2 x 64 accumulators a thread, as the bf16 tiles.
-//   m_offset: the warpgroup's first token row of the tile (its B rows);
-//   n_offset: its first weight row inside each weight tile (its output columns).
+// and finish a tile together, each converting its own weight rows once (the conversion, not the
+// MMA, is the scarce issue slots) for all the tile's tokens. Two row layouts:
+//   split rows (weight tiles of 128 rows or more): each warpgroup takes half of every weight
+//     tile's rows, kBlockN / 128 m64 blocks per tile; for the gate/up GEMM (kNumB = 2) the
+//     gate rows h and up rows H + h of the same h sit in the same registers of its two m64
+//     blocks, so the SwiGLU stays in the thread;
+//   interleaved (the 64-row gate and up tiles of block_n = 64): one m64 block a warpgroup, whose
+//     fragment row slots r0 = 16 w + g and r0 + 8 read gate row h = 32 c + 8 w + g and up row h
+//     (the mainloop reads the rows by hand, so any row order is one of addresses): the
+//     accumulators' row half i = 0 is g, i = 1 is u of the same h, in the thread.
+// At most 2 x 64 accumulators a thread, as the bf16 tiles.
+//   m_offset: the warpgroup's first token row of the tile (0: its B rows are all the tokens);
+//   n_offset: its first output column (weight row inside each weight tile).
 template <class Tile, class ALayout_, class BLayout_>
 struct RegisterAConsumers {
   using ALayout = ALayout_;  // the token rows (wgmma's B here)
@@ -160,27 +165,29 @@ struct RegisterAConsumers {
   static constexpr bool kPingPong = false;
   static constexpr bool kRegisterA = true;
   static constexpr int kWarpgroupsPerStage = 2;
-  static constexpr bool kSplitRows = Tile::kBlockN >= 128;
-  static constexpr int kMmaPerTile = kSplitRows ? Tile::kBlockN / 128 : 1;
-  static constexpr int kMmaM = Tile::kNumB * kMmaPerTile;
-  static constexpr int kMmaN = kSplitRows ? Tile::kBlockM : Tile::kBlockM / 2;
+  static constexpr bool kInterleaved = Tile::kNumB == 2 && Tile::kBlockN == 64;
+  static constexpr int kMmaPerTile = kInterleaved ? 1 : Tile::kBlockN / 128;
+  static constexpr int kMmaM = kInterleaved ? 1 : Tile::kNumB * kMmaPerTile;
+  static constexpr int kMmaN = Tile::kBlockM;
   static constexpr int kNumMma = 1;
-  static constexpr int kWgRows = kSplitRows ? Tile::kBlockN / 2 : Tile::kBlockN;
+  static constexpr int kWgRows = Tile::kBlockN / 2;  // output columns per warpgroup
   using Mma = prime_kernels::WgmmaBf16RS<kMmaN, ALayout::kTrans>;
 
   static_assert(!ALayout::kTrans, "the token rows are K-major");
-  static_assert(kMmaN == 32 || kMmaN == 64 || kMmaN == 128, "an instantiated RS wgmma N");
+  static_assert(kInterleaved || Tile::kBlockN % 128 == 0, "split rows take whole m64 halves");
+  static_assert(kMmaN == 64 || kMmaN == 128, "an instantiated RS wgmma N");
   static_assert(kMmaM * Mma::kAccRegs <= 128, "accumulators must fit the consumer budget");
 
-  __device__ __forceinline__ static int m_offset(int consumer) {
-    return kSplitRows ? 0 : consumer * kMmaN;
-  }
-  __device__ __forceinline__ static int n_offset(int consumer) {
-    return kSplitRows ? consumer * kWgRows : 0;
-  }
-  // Row of m64 block mh inside the stage's weight tiles, less n_offset: tile mh / kMmaPerTile.
-  __host__ __device__ static constexpr int block_row(int mh) {
-    return (mh / kMmaPerTile) * Tile::kBlockN + (mh % kMmaPerTile) * 64;
+  __device__ __forceinline__ static int m_offset(int /*consumer*/) { return 0; }
+  __device__ __forceinline__ static int n_offset(int consumer) { return consumer * kWgRows; }
+  // The stage row (tile * kBlockN + row inside the tile) that accumulator row 16 warp + g + 8 i
+  // of m64 block mh reads, for a warpgroup whose n_offset is row_offset. Every one is g modulo 8
+  // (the 64-byte swizzle's chunk XOR, (row / 2) % 4, is the thread's own for all of them).
+  __host__ __device__ static constexpr int stage_row(int mh, int i, int warp, int g,
+                                                     int row_offset) {
+    return kInterleaved ? i * Tile::kBlockN + row_offset + 8 * warp + g
+                        : (mh / kMmaPerTile) * Tile::kBlockN + (mh % kMmaPerTile) * 64 +
+                              row_offset + 16 * warp + 8 * i + g;
   }
 };
 
