@@ -39,11 +39,12 @@ namespace prime_moe {
 constexpr uint32_t kMxfp8FastScaleMax = 134;
 
 // A 2-byte shared-memory read by address (ld.shared: a generic pointer into the dynamic shared
-// memory compiles to a generic LD, which pays the address-space check). Volatile: the bytes
-// come from TMA, so the read must stay after the stage's full-barrier wait.
+// memory compiles to a generic LD, which pays the address-space check). Volatile, with a
+// memory clobber: the bytes come from TMA, so the read must stay between the stage's full-barrier
+// wait and its release (both asm with memory clobbers).
 __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
   uint16_t v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
   return v;
 }
 
