@@ -252,18 +252,28 @@ struct WeightedAtomicAdd {
   }
 
   // Register-A accumulators (as StoreRows::store_transposed): one bf16x2 reduction per token
-  // and column pair, each lane one token per j (its pair id and weight looked up once per j).
+  // and column pair, each lane one token per j. Every pair id, then every routing weight, is
+  // loaded before the first reduction (16 tokens a lane at 128 tokens: loaded beside the
+  // reductions, each would be a dependent round trip the atomics keep the compiler from
+  // hoisting).
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int npp,
                                                           const float (&acc)[kMmas][kRegs],
                                                           const MoeWorkTile& /*w*/, int row0,
                                                           int col0, uint8_t* /*scratch*/,
                                                           int /*barrier_id*/) {
+    constexpr int kSteps = kRegs / 4;
+    int pairs[kSteps];
+    float weights[kSteps];
 #pragma unroll
-    for (int j = 0; j < kRegs / 4; ++j) {
-      const int pair = routed_pair(p, npp, row0 + transposed_token(j));
+    for (int j = 0; j < kSteps; ++j) pairs[j] = routed_pair(p, npp, row0 + transposed_token(j));
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) weights[j] = pairs[j] >= 0 ? p.topk_weights[pairs[j]] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const int pair = pairs[j];
       const bool routed = pair >= 0;
-      const float weight = routed ? p.topk_weights[pair] : 0.0f;
+      const float weight = weights[j];
       __nv_bfloat16* dst = p.out + size_t(routed ? pair / p.top_k : 0) * p.ld_out;
 #pragma unroll
       for (int mh = 0; mh < kMmas; ++mh) {
