@@ -1,14 +1,12 @@
 // The fused MoE forward's kernels and launch sequence on sm_90a, written once for every weight
 // format (host side; fused_moe_bf16.cu and fused_moe_mxfp8.cu are its two users). A weights
-// policy says what differs: the B loader that fills a stage's bf16 weight tiles, the tensor map
+// policy says what differs: the B loader that fills a stage's weight tiles, the tensor map
 // it reads the weights through, and the gate/up epilogue (how h is stored for the down GEMM).
 //   Bf16Weights   TmaWeightTiles (bf16 by TMA), SwiGluToH: h rounded to bf16;
 //   Mxfp8Weights  Mxfp8WeightTilesRS (raw e4m3 plus blocked scales into the stage, widened to
 //                 bf16 in the consumers' registers and fed as wgmma's register A operand: the
 //                 GEMMs compute out^T = w x^T, RegisterAConsumers), SwiGluToMxfp8: h
 //                 re-quantized to MXFP8, stored dequantized (the epilogues' transposed forms).
-//   Mxfp8SmemWeights  the previous MXFP8 path, kept for A/B: Mxfp8WeightTiles (widened to bf16
-//                 in shared memory by the producer warpgroup) with the bf16 tiles.
 // The A side is the same for both: gate/up gathers bf16 token rows (x, or MXFP8 x dequantized
 // by a pre-pass), down reads the h workspace by TMA.
 //
@@ -56,25 +54,6 @@ struct Bf16Weights {
   static cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t cols,
                                 uint32_t box_rows) {
     return prime_kernels::make_tma_2d_bf16_sw128(map, w, rows, cols, box_rows);
-  }
-};
-
-// The previous MXFP8 path (0.56-0.67x of bf16, mxfp8_loaders.cuh's header): weights widened to
-// bf16 in shared memory, then the bf16 tiles and mainloop. Not instantiated by the op; kept so
-// that one line in fused_moe_mxfp8.cu brings it back for an A/B against Mxfp8Weights.
-struct Mxfp8SmemWeights {
-  static constexpr const char* kName = "fused_moe_mxfp8";
-  static constexpr bool kRegisterA = false;
-  // The weight loader stages whole 128-row blocks of scales.
-  static constexpr int kDownPingPongN = 128;
-  template <class Tile>
-  using BLoad = Mxfp8WeightTiles<Tile>;
-  using GateUpEpilogue = SwiGluToMxfp8;
-  using GateUpKeepZEpilogue = void;  // no training forward keeps z from MXFP8 inputs
-  static constexpr bool kKeepsZ = false;
-  static cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t cols,
-                                uint32_t box_rows) {
-    return prime_kernels::make_tma_2d_u8(map, w, rows, cols, box_rows);
   }
 };
 
@@ -137,7 +116,7 @@ struct ForwardKernels {
 // tokens (at block_n = 64 with gate and up rows interleaved in one m64 block, tile.cuh). Down:
 // block_m tokens x 2 block_n output columns, cooperative (the bf16 forward's ping-pong 128 x 192
 // would need a 192-row weight tile: 3 m64 blocks of 64 tokens, 96 accumulators; not written yet),
-// so both GEMMs' stages are about the same size. Not yet measured (written without a GPU).
+// so both GEMMs' stages are about the same size.
 template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kDownPingPong = false;

@@ -267,23 +267,6 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[4]) {
 }
 
 template <int kTransB>
-struct WgmmaBf16RS<32, kTransB> : WgmmaBf16K16 {
-  static constexpr int kAccRegs = 16;
-  __device__ __forceinline__ static void mma(float (&d)[16], const uint32_t (&a)[4],
-                                             uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, "
-        "%19}, %20, p, 1, 1, %22;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
-  }
-};
-
-template <int kTransB>
 struct WgmmaBf16RS<64, kTransB> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 32;
   __device__ __forceinline__ static void mma(float (&d)[32], const uint32_t (&a)[4],

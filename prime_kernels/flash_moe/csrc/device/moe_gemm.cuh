@@ -81,10 +81,10 @@ struct MoeGemm {
   // Register split (sm_90a setmaxnreg, multiples of 8). The CTA launches with 168 registers
   // a thread (__launch_bounds__(384, 1)) and can only move those 384 x 168 between its
   // warpgroups: 128 * (producer + 2 * consumer) <= 64512, or setmaxnreg.inc waits forever.
-  // The loaders say what the producer needs (24 for one TMA thread, 40 for the gather, 56 for
-  // the MXFP8 widening; 40 in a cluster, whose producer also works out its share of the boxes
-  // and the multicast masks), the consumers get the rest: 224 to 240 registers, room for
-  // their 128 to 192 fp32 accumulators and the epilogue.
+  // The loaders say what the producer needs (24 for one TMA thread, 40 for the gather; 40 in a
+  // cluster, whose producer also works out its share of the boxes and the multicast masks), the
+  // consumers get the rest: 224 to 240 registers, room for their 128 to 192 fp32 accumulators
+  // and the epilogue.
   static constexpr int kLoaderRegs =
       ALoad::kProducerRegs > BLoad::kProducerRegs ? ALoad::kProducerRegs : BLoad::kProducerRegs;
   static constexpr int kProducerRegs = kClusterM > 1 && kLoaderRegs < 40 ? 40 : kLoaderRegs;
@@ -111,18 +111,15 @@ struct MoeGemm {
   static_assert(!Epilogue::kWritesPaddingRows || Scheduler::kMGrouped,
                 "padding rows are rows of M-grouped tiles");
 
-  static_assert(BLoad::kExtraSmemBytes % 1024 == 0, "the stage buffers after it stay aligned");
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of one or two CTAs along M");
   static_assert(!Consumers::kRegisterA || kClusterM == 1, "the register-A loop has no clusters");
   static_assert(splits_b<BLoad>(kClusterM),
                 "a cluster splits the B tile's TMA boxes between its CTAs");
 
-  // The B loader's own shared memory (its staging, mxfp8_loaders.cuh), the epilogue's
-  // (Tile::kEpilogueBytes, inside Tile::smem_bytes), the ring, then (ping-pong) the two turn
-  // barriers.
+  // The epilogue's shared memory (Tile::kEpilogueBytes, inside Tile::smem_bytes), the ring, then
+  // (ping-pong) the two turn barriers.
   static constexpr size_t smem_bytes(int stages) {
-    return BLoad::kExtraSmemBytes + Tile::smem_bytes(stages) +
-           (Consumers::kPingPong ? 2 * sizeof(uint64_t) : 0);
+    return Tile::smem_bytes(stages) + (Consumers::kPingPong ? 2 * sizeof(uint64_t) : 0);
   }
 };
 
@@ -172,8 +169,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int stages = p.stages;
-  uint8_t* smem_extra = smem;
-  uint8_t* smem_epilogue = smem + BLoad::kExtraSmemBytes;
+  uint8_t* smem_epilogue = smem;
   uint8_t* smem_a = smem_epilogue + Tile::kEpilogueBytes;
   uint8_t* smem_b = smem_a + size_t(stages) * Tile::kABytes;
   const StageRing ring(smem_b + size_t(stages) * Tile::kBBytes, stages);
@@ -183,7 +179,6 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
-    BLoad::init_extra(smem_extra);
     ring.init(Kernel::kFullArrivals, Kernel::kEmptyArrivals);
     if constexpr (Consumers::kPingPong) {
       mbarrier_init(&turn_barriers[0], 128);
@@ -191,8 +186,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       mbarrier_init_fence();
     }
     if constexpr (ALoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_a);
-    if constexpr (BLoad::kTmaBytes > 0 || BLoad::kExtraSmemBytes > 0)  // staged by TMA too
-      tma_prefetch_descriptor(&tmap_b);
+    if constexpr (BLoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_b);
   }
   // Both CTAs' barriers are initialized before either copies into or arrives on the other's.
   if constexpr (kCluster)
@@ -210,7 +204,6 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     if (tid < Kernel::kProducerThreads) {
       ALoad a_load(tid);
       BLoad b_load(tid);
-      b_load.attach(smem_extra);
       // Tile t's cluster partner is t ^ 1 (the scheduler pairs them; blockIdx.x % 2 is the
       // CTA's rank, and gridDim.x is even).
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {

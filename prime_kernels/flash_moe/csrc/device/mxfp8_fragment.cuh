@@ -1,8 +1,8 @@
 // MXFP8 weights widened in registers: e4m3 bytes and their e8m0 scales into the bf16x2 A
 // fragment of a register-A wgmma (WgmmaBf16RS, wgmma.cuh), exactly as mxfp8.py dequantizes them
 // (each value is e4m3 x 2^(s - 127), rounded once to bf16; that rounding only acts below 2^-133,
-// bf16's subnormal step, and is round-to-nearest-even as in the shared-memory widening of
-// mxfp8_loaders.cuh).
+// bf16's subnormal step, and is round-to-nearest-even as in mxfp8_loaders.cuh's
+// mxfp8_pair_to_bf16x2).
 //
 // The fragment of one k16 step and 64 weight rows (wgmma.cuh's WgmmaBf16RS layout): thread (warp
 // w, lane l, g = l / 4, q = l % 4) holds rows r0 = 16w + g and r1 = r0 + 8, columns 2q, 2q + 1
