@@ -334,3 +334,42 @@ def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
             )
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_weight_blocks_off_the_fast_path(flash_moe, seed, split):
+    """The register widening's slow path inside the kernel (csrc/device/mxfp8_fragment.cuh):
+    weight blocks whose scale is past 134 (2^(s - 7) is no bf16: here 135 and 140, with
+    subnormal e4m3 values so the products stay moderate) and an e4m3 NaN byte under a finite
+    scale (mxfp8.py dequantizes it to NaN: every token routed to that expert is NaN). Against
+    the exact-MX emulation of the same bytes; the NaN pattern must match exactly."""
+    generator = torch.Generator().manual_seed(seed)
+    T, D, H, E, k = 300, 256, 128, 8, 2
+    x, w, w2, ids, weights = make_inputs(T, D, H, E, k, "uniform", generator)
+    ops, (ws, w2s) = quantize(flash_moe, x, w, w2)
+    wq, w2q = ops[2].view(torch.uint8).clone(), ops[4].view(torch.uint8).clone()
+    ws, w2s = ws.view(torch.uint8).clone(), w2s.view(torch.uint8).clone()
+    small = torch.randint(0, 8, (2, 32), generator=generator) | (
+        torch.randint(0, 2, (2, 32), generator=generator) << 7
+    )
+    small = small.to(torch.uint8).cuda()
+    wq[3, 5, 64:96], ws[3, 5, 2] = small[0], 140  # a gate row of expert 3
+    w2q[1, 7, 32:64], w2s[1, 7, 1] = small[1], 135  # a down row of expert 1
+    wq[5, H + 9, 40] = 0x7F  # an up row of expert 5: NaN byte, finite scale
+    e4m3, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+    ws, w2s = ws.view(e8m0), w2s.view(e8m0)
+    ops = (
+        ops[0],
+        ops[1],
+        wq.view(e4m3),
+        flash_moe.pack_scales_blocked(ws),
+        w2q.view(e4m3),
+        flash_moe.pack_scales_blocked(w2s),
+    )
+    out = run_ours(flash_moe, ops, ids, weights, split=split)
+    emulated = emulate(ops, ws, w2s, ids, weights, split)
+    nan_rows = torch.isnan(emulated).any(-1)
+    assert nan_rows.any() and not nan_rows.all()
+    assert torch.equal(torch.isnan(out), torch.isnan(emulated))
+    error = reference.relative_error(out[~nan_rows], emulated[~nan_rows])
+    assert error <= emulation_bar(split, k), f"relative error {error:.3e} against the emulation"

@@ -1,10 +1,12 @@
 // The fused MoE forward's kernels and launch sequence on sm_90a, written once for every weight
 // format (host side; fused_moe_bf16.cu and fused_moe_mxfp8.cu are its two users). A weights
-// policy says what differs: the B loader that fills a stage's bf16 weight tiles, the tensor map
+// policy says what differs: the B loader that fills a stage's weight tiles, the tensor map
 // it reads the weights through, and the gate/up epilogue (how h is stored for the down GEMM).
 //   Bf16Weights   TmaWeightTiles (bf16 by TMA), SwiGluToH: h rounded to bf16;
-//   Mxfp8Weights  Mxfp8WeightTiles (e4m3 plus blocked scales, widened to bf16 in shared
-//                 memory), SwiGluToMxfp8: h re-quantized to MXFP8, stored dequantized.
+//   Mxfp8Weights  Mxfp8WeightTilesRS (raw e4m3 plus blocked scales into the stage, widened to
+//                 bf16 in the consumers' registers and fed as wgmma's register A operand: the
+//                 GEMMs compute out^T = w x^T, RegisterAConsumers), SwiGluToMxfp8: h
+//                 re-quantized to MXFP8, stored dequantized (the epilogues' transposed forms).
 // The A side is the same for both: gate/up gathers bf16 token rows (x, or MXFP8 x dequantized
 // by a pre-pass), down reads the h workspace by TMA.
 //
@@ -41,6 +43,7 @@ namespace forward {
 
 struct Bf16Weights {
   static constexpr const char* kName = "fused_moe_bf16";
+  static constexpr bool kRegisterA = false;  // bf16 weights are read by wgmma from shared memory
   // The down GEMM's ping-pong tile width (ForwardKernels).
   static constexpr int kDownPingPongN = 192;
   template <class Tile>
@@ -54,18 +57,18 @@ struct Bf16Weights {
   }
 };
 
+// MXFP8 weights as wgmma's register A operand (docs/flash_moe_mxfp8_design.md): the producer
+// copies raw e4m3 tiles (64-byte swizzle) and scale blocks into the stage, the consumers widen
+// them in registers (mxfp8_fragment.cuh) and multiply them by the stage's token rows.
 struct Mxfp8Weights {
   static constexpr const char* kName = "fused_moe_mxfp8";
-  // The weight loader stages whole 128-row blocks of scales.
-  static constexpr int kDownPingPongN = 128;
-  template <class Tile>
-  using BLoad = Mxfp8WeightTiles<Tile>;
+  static constexpr bool kRegisterA = true;
   using GateUpEpilogue = SwiGluToMxfp8;
   using GateUpKeepZEpilogue = void;  // no training forward keeps z from MXFP8 inputs
   static constexpr bool kKeepsZ = false;
   static cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t cols,
                                 uint32_t box_rows) {
-    return prime_kernels::make_tma_2d_u8(map, w, rows, cols, box_rows);
+    return prime_kernels::make_tma_2d_u8_sw64(map, w, rows, cols, box_rows);
   }
 };
 
@@ -78,7 +81,7 @@ struct Mxfp8Weights {
 // 64) against the SM's 128: 192 columns bring that to 138 (Weights::kDownPingPongN).
 // Elsewhere (decode sizes, block_m = 64) it is cooperative and 2 * block_n wide, so that
 // both GEMMs' stages are the same size.
-template <class Weights, int kBlockM, int kBlockN>
+template <class Weights, int kBlockM, int kBlockN, bool kRegisterA = Weights::kRegisterA>
 struct ForwardKernels {
   static constexpr bool kDownPingPong = kBlockM == 128 && kBlockN == 128;
   using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
@@ -101,6 +104,33 @@ struct ForwardKernels {
   // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (a 128 x 192
   // down stage is 40 KB against gate/up's 48 KB: 4 stages for 4, where 5 would fit: to A/B),
   // as far as the device holds.
+  static int down_stages(int stages, int device, int max_stages) {
+    const int same_bytes = int(stages * GateUpTile::kStageBytes / DownTile::kStageBytes);
+    return std::min(same_bytes, ring_stages<DownStore>(device, max_stages));
+  }
+};
+
+// The register-A forward (Mxfp8Weights): every tile of the bf16 forward, with out^T accumulators.
+// Gate/up: block_m tokens x (block_n gate + block_n up) weight rows, as the bf16 tile; the two
+// consumer warpgroups split the h rows, each converting its own weight rows once for all the
+// tokens (at block_n = 64 with gate and up rows interleaved in one m64 block, tile.cuh). Down:
+// block_m tokens x 2 block_n output columns, cooperative (the bf16 forward's ping-pong 128 x 192
+// would need a 192-row weight tile: 3 m64 blocks of 64 tokens, 96 accumulators; not written yet),
+// so both GEMMs' stages are about the same size.
+template <class Weights, int kBlockM, int kBlockN>
+struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
+  static constexpr bool kDownPingPong = false;
+  using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2>;
+  using DownTile = MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>;
+  template <class Epilogue>
+  using DownGemm = MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, Mxfp8WeightTilesRS<DownTile>,
+                           MoeTileScheduler, RegisterAConsumers>;
+  using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, typename Weights::GateUpEpilogue,
+                         Mxfp8WeightTilesRS<GateUpTile>, MoeTileScheduler, RegisterAConsumers>;
+  using GateUpKeepZ = void;  // kKeepsZ is false
+  using DownStore = DownGemm<StoreRows>;
+  using DownAtomic = DownGemm<WeightedAtomicAdd>;
+
   static int down_stages(int stages, int device, int max_stages) {
     const int same_bytes = int(stages * GateUpTile::kStageBytes / DownTile::kStageBytes);
     return std::min(same_bytes, ring_stages<DownStore>(device, max_stages));

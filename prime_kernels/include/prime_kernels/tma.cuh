@@ -66,6 +66,17 @@ inline cudaError_t make_tma_2d_u8(CUtensorMap* map, const void* base, uint64_t r
                              CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
+// The same byte matrix with the 64-byte swizzle: box row r lands at 64 r bytes with its 16-byte
+// chunk c at chunk c ^ ((r / 2) % 4) (the XOR of address bits 4-5 with bits 7-8; dst 512-byte
+// aligned). Threads that read 2-byte pieces of 8 consecutive rows at one column (the wgmma
+// register-A fragments of MXFP8 weights) then hit 8 distinct 16-byte bank groups, where the
+// unswizzled rows put every second row in the same banks.
+inline cudaError_t make_tma_2d_u8_sw64(CUtensorMap* map, const void* base, uint64_t rows,
+                                       uint64_t cols, uint32_t box_rows) {
+  return detail::make_tma_2d(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, rows, cols, 64, box_rows,
+                             CU_TENSOR_MAP_SWIZZLE_64B);
+}
+
 // Loads the box at (col, row) of `map` into shared memory at dst (1024-byte aligned for
 // the 128-byte swizzle); completion is signalled on `bar` as transaction bytes.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,

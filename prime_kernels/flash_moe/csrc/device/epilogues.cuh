@@ -86,6 +86,30 @@ __device__ __forceinline__ void quad_row_group(const float (&acc)[kMmas][kRegs],
   quad_transpose(v);
 }
 
+// Register-A accumulators (RegisterAConsumers: out^T, an m64 block's rows are 64 output columns,
+// its wgmma columns the warpgroup's tokens) regrouped for row-major stores: lanes g and g ^ 1 of
+// a column (lane / 4) swap one value per register pair, after which the even lane holds token
+// 8 j + 2 q of output columns (g & ~1) + 8 i and the next one, the odd lane token 8 j + 2 q + 1
+// of the same two columns: one 4-byte bf16x2 store per pair instead of two 2-byte ones. Every
+// lane must run it (a shuffle of the whole warp).
+__device__ __forceinline__ int transposed_token(int j) {
+  return 8 * j + 2 * (threadIdx.x % 4) + ((threadIdx.x / 4) & 1);
+}
+__device__ __forceinline__ int transposed_column(int i) {
+  return ((threadIdx.x / 32) % 4) * 16 + ((threadIdx.x % 32) / 4 & ~1) + 8 * i;
+}
+// c0, c1: a value of the thread's tokens 8 j + 2q and 8 j + 2q + 1 (the accumulator registers
+// 4 j + 2 i and 4 j + 2 i + 1, or anything computed from them).
+__device__ __forceinline__ float2 transposed_pair(float c0, float c1) {
+  const bool odd = ((threadIdx.x / 4) & 1) != 0;
+  const float other = __shfl_xor_sync(0xFFFFFFFFu, odd ? c0 : c1, 4);
+  return odd ? make_float2(other, c1) : make_float2(c0, other);
+}
+template <int kRegs>
+__device__ __forceinline__ float2 transposed_pair(const float (&acc)[kRegs], int i, int j) {
+  return transposed_pair(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]);
+}
+
 template <bool kKeepZ>
 struct SwiGluToH {
   static constexpr int kNumB = 2;  // gate tile, up tile
@@ -169,6 +193,30 @@ struct StoreRows {
       }
     }
   }
+
+  // Register-A accumulators (acc[mh]: output columns col0 + 64 mh .., tokens row0 ..): a
+  // bf16x2 store per token and column pair (transposed_pair).
+  template <int kMmas, int kRegs>
+  __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int /*npp*/,
+                                                          const float (&acc)[kMmas][kRegs],
+                                                          const MoeWorkTile& /*w*/, int row0,
+                                                          int col0, uint8_t* /*scratch*/,
+                                                          int /*barrier_id*/) {
+#pragma unroll
+    for (int j = 0; j < kRegs / 4; ++j) {
+      __nv_bfloat16* dst = p.out + size_t(row0 + transposed_token(j)) * p.ld_out;
+#pragma unroll
+      for (int mh = 0; mh < kMmas; ++mh) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float2 v = transposed_pair(acc[mh], i, j);
+          const int col = col0 + 64 * mh + transposed_column(i);
+          if (col >= p.n_dim) continue;  // partial last n tile (D % block_n != 0)
+          *reinterpret_cast<uint32_t*>(dst + col) = bf162_bits(__floats2bfloat162_rn(v.x, v.y));
+        }
+      }
+    }
+  }
 };
 
 struct WeightedAtomicAdd {
@@ -199,6 +247,44 @@ struct WeightedAtomicAdd {
         const int col = col0 + 32 * a + lane_col;
         if (!routed || col >= p.n_dim) continue;  // col: partial last n tile (D % block_n)
         red_add_bf16x8(dst + col, v);
+      }
+    }
+  }
+
+  // Register-A accumulators (as StoreRows::store_transposed): one bf16x2 reduction per token
+  // and column pair, each lane one token per j. Every pair id, then every routing weight, is
+  // loaded before the first reduction (16 tokens a lane at 128 tokens: loaded beside the
+  // reductions, each would be a dependent round trip the atomics keep the compiler from
+  // hoisting).
+  template <int kMmas, int kRegs>
+  __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int npp,
+                                                          const float (&acc)[kMmas][kRegs],
+                                                          const MoeWorkTile& /*w*/, int row0,
+                                                          int col0, uint8_t* /*scratch*/,
+                                                          int /*barrier_id*/) {
+    constexpr int kSteps = kRegs / 4;
+    int pairs[kSteps];
+    float weights[kSteps];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) pairs[j] = routed_pair(p, npp, row0 + transposed_token(j));
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) weights[j] = pairs[j] >= 0 ? p.topk_weights[pairs[j]] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const int pair = pairs[j];
+      const bool routed = pair >= 0;
+      const float weight = weights[j];
+      __nv_bfloat16* dst = p.out + size_t(routed ? pair / p.top_k : 0) * p.ld_out;
+#pragma unroll
+      for (int mh = 0; mh < kMmas; ++mh) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float2 v = transposed_pair(acc[mh], i, j);
+          const int col = col0 + 64 * mh + transposed_column(i);
+          if (!routed || col >= p.n_dim) continue;
+          atomicAdd(reinterpret_cast<__nv_bfloat162*>(dst + col),
+                    __floats2bfloat162_rn(weight * v.x, weight * v.y));
+        }
       }
     }
   }

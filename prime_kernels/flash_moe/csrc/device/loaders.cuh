@@ -18,8 +18,8 @@
 //                       token rows of x and dO are first copied into padded-row order,
 //                       combine.cuh: gathered along K by cp.async they ran at half the
 //                       rate).
-// The MXFP8 weight loader (e4m3 weights and their scales, widened to bf16 by the producer
-// threads) is in mxfp8_loaders.cuh.
+// The MXFP8 weight loader (raw e4m3 weights and their scales, for the consumers' register
+// widening) is in mxfp8_loaders.cuh.
 //
 // In a 2-CTA cluster whose two tiles read the same B tile (same expert and n tile, MoeGemm
 // pairs them), each CTA copies half of the B tile's TMA boxes into both CTAs' stages (TMA
@@ -70,11 +70,7 @@ struct TmaLoader {
   static constexpr int kProducerRegs = 24;
   static constexpr uint32_t kFullArrivals = 0;
   static constexpr bool kGenericProxyWrites = false;
-  // Shared memory a B loader keeps past the stage ring (MoeGemm::smem_bytes counts it): none.
-  static constexpr size_t kExtraSmemBytes = 0;
   __device__ __forceinline__ explicit TmaLoader(int /*tid*/) {}
-  __device__ __forceinline__ static void init_extra(uint8_t* /*extra*/) {}
-  __device__ __forceinline__ void attach(uint8_t* /*extra*/) {}
   // A stage of a tile with no work (a cluster's missing tile): thread 0's arrival (the
   // kernel's) is the only one the full barrier expects from a TMA loader.
   __device__ __forceinline__ static void arrive_empty(uint64_t* /*full*/) {}

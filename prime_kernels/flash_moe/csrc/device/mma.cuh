@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "mxfp8_fragment.cuh"
 #include "prime_kernels/mbarrier.cuh"
 #include "prime_kernels/pipeline.cuh"
 #include "prime_kernels/wgmma.cuh"
@@ -102,6 +103,140 @@ struct WarpgroupMainloop {
       for (int b = 0; b < Consumers::kNumMma; ++b) wgmma_fence_operands(acc[mh][b]);
     }
     release(ring, prev_stage);
+  }
+};
+
+// The register-A consumer loop (RegisterAConsumers, MoeGemmTileRS): per K slice, each thread
+// reads its weight rows' e4m3 bytes and scale bytes from the stage (LDS.U16, conflict-free in
+// the 64-byte swizzle), widens them to bf16 A fragments in registers (mxfp8_fragment.cuh) and
+// issues wgmma RS against the stage's token rows (B by descriptor): acc = W[rows] x T^T, out^T.
+// The ring handling (waits, releases, skip) is WarpgroupMainloop's.
+//
+// Per k16 step kk (one commit group: the kMmaM m64 wgmmas), the fragments are double-buffered:
+// step kk's are converted while step kk - 1's wgmmas run, into the buffer step kk - 2 used,
+// which wgmma_wait<1> after step kk - 1's issue retired; the next step's bytes are loaded
+// before that wait, so their latency hides behind it. A stage goes back to the producer once its
+// last step's group is retired (at the next slice's first wait), after a proxy fence: the bytes
+// were read through the generic proxy, the producer's TMA rewrites them through the async one.
+template <class Tile, class Consumers, bool kFenceGenericWrites>
+struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites> {
+  using Base = WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites>;
+  using Mma = typename Consumers::Mma;
+  using ALayout = typename Consumers::ALayout;
+  static constexpr int kMmaM = Consumers::kMmaM;
+  static constexpr int kSteps = Tile::kBlockK / Mma::kK;
+  // [m64 block][wgmma registers]
+  using Accumulators = float[kMmaM][Mma::kAccRegs];
+
+  static_assert(kSteps % 2 == 0, "a slice's steps alternate the two fragment buffers");
+
+  // token_offset: the warpgroup's first token row (Consumers::m_offset); row_offset: its first
+  // weight row of each tile (n_offset); scale_row0: the tile's first weight row modulo 128 (n0 %
+  // 128: 64 for the odd 64-row tiles, which sit in the upper half of a 128-row scale block).
+  // Rows past the tile's scale blocks cannot occur: a tile of kBlockN <= 128 rows starting at
+  // n0 % 128 in {0, 64} ends inside its 128-row block, a larger one starts at n0 % 128 = 0.
+  template <class Issued>
+  __device__ __forceinline__ static void run(Accumulators& acc,
+                                             const prime_kernels::StageRing& ring,
+                                             prime_kernels::RingState& rs, uint8_t* smem_a,
+                                             uint8_t* smem_b, int token_offset, int row_offset,
+                                             int scale_row0, int num_k_blocks, Issued&& issued) {
+    using namespace prime_kernels;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int g = lane / 4, q = lane % 4;
+    // Byte offsets in the stage's B buffer of the thread's fragment rows r0 (i = 0) and r1
+    // (i = 1) of each m64 block (Consumers::stage_row), and of their scale bytes. The 64-byte
+    // swizzle XORs the 16-byte chunk with (row / 2) % 4, which is (g / 2) % 4 for all of them
+    // (every stage row is g modulo 8).
+    const int swizzle = (g >> 1) & 3;
+    int value_at[kMmaM][2], scale_at[kMmaM][2];
+#pragma unroll
+    for (int mh = 0; mh < kMmaM; ++mh) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = Consumers::stage_row(mh, i, warp, g, row_offset);
+        const int tile = row / Tile::kBlockN;
+        value_at[mh][i] = row * Tile::kBlockK + 2 * q;
+        const int r = scale_row0 + row % Tile::kBlockN;  // from the tile's first scale block
+        scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
+                          (r % 32) * 16 + (r % 128) / 32 * 4;
+      }
+    }
+#pragma unroll
+    for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
+    uint32_t frag[2][kMmaM][4];
+    int prev_stage = 0;
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ring.consumer_wait(rs);
+      if constexpr (kFenceGenericWrites) fence_proxy_async_shared();
+      const uint32_t weights = smem_addr(smem_b) + rs.stage * Tile::kBBytes;
+      const uint64_t desc_b =
+          ALayout::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128);
+      // The slice's two 32-blocks' scales of rows r0 and r1 (one 2-byte read each), their
+      // bf16x2 multipliers and whether both are fast-path scales, once per slice.
+      uint32_t scales[kMmaM][2], fast[kMmaM][2][2];
+      bool scales_fast[kMmaM][2];
+#pragma unroll
+      for (int mh = 0; mh < kMmaM; ++mh) {
+        scales[mh][0] = ld_shared_u16(weights + scale_at[mh][0] + 2 * (kb & 1));
+        scales[mh][1] = ld_shared_u16(weights + scale_at[mh][1] + 2 * (kb & 1));
+#pragma unroll
+        for (int block = 0; block < 2; ++block) {
+          const uint32_t s0 = (scales[mh][0] >> (8 * block)) & 0xFF;
+          const uint32_t s1 = (scales[mh][1] >> (8 * block)) & 0xFF;
+          fast[mh][block][0] = mxfp8_fast_scale_bf16x2(s0);
+          fast[mh][block][1] = mxfp8_fast_scale_bf16x2(s1);
+          scales_fast[mh][block] = max(s0, s1) <= kMxfp8FastScaleMax;
+        }
+      }
+      uint32_t raw[kMmaM][2];
+      const auto load_raw = [&](int kk) {
+#pragma unroll
+        for (int mh = 0; mh < kMmaM; ++mh) {
+          const uint32_t r0 = weights + value_at[mh][0] + 16 * (kk ^ swizzle);
+          const uint32_t r1 = weights + value_at[mh][1] + 16 * (kk ^ swizzle);
+          const uint32_t r0_lo = ld_shared_u16(r0);
+          const uint32_t r1_lo = ld_shared_u16(r1);
+          const uint32_t r0_hi = ld_shared_u16(r0 + 8);
+          const uint32_t r1_hi = ld_shared_u16(r1 + 8);
+          raw[mh][0] = mxfp8_fragment_word(r0_lo, r1_lo);
+          raw[mh][1] = mxfp8_fragment_word(r0_hi, r1_hi);
+        }
+      };
+      load_raw(0);
+#pragma unroll
+      for (int kk = 0; kk < kSteps; ++kk) {
+        const int buf = kk % 2;
+        const int block = kk / 2;  // the step's 32-block: byte 0 or 1 of the scale reads
+#pragma unroll
+        for (int mh = 0; mh < kMmaM; ++mh) {
+          const uint32_t s0 = (scales[mh][0] >> (8 * block)) & 0xFF;
+          const uint32_t s1 = (scales[mh][1] >> (8 * block)) & 0xFF;
+          mxfp8_fragment(raw[mh][0], raw[mh][1], s0, s1, fast[mh][block][0], fast[mh][block][1],
+                         scales_fast[mh][block], frag[buf][mh]);
+          wgmma_fence_operands(frag[buf][mh]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int mh = 0; mh < kMmaM; ++mh)
+          Mma::mma(acc[mh], frag[buf][mh], desc_b + ALayout::kDescPerK16 * kk, (kb | kk) != 0);
+        wgmma_commit();
+        if (kk + 1 < kSteps) load_raw(kk + 1);
+        wgmma_wait<1>();
+        if (kk == 0 && kb > 0) {
+          fence_proxy_async_shared();
+          Base::release(ring, prev_stage);
+        }
+      }
+      prev_stage = rs.stage;
+      rs.advance(ring.stages);
+    }
+    issued();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
+    fence_proxy_async_shared();
+    Base::release(ring, prev_stage);
   }
 };
 

@@ -3,11 +3,13 @@
 // scheduler x consumer schedule (the MMA mainloop follows from the tile, the schedule and
 // the loaders' layouts):
 //   warpgroup 0      producer: the A and B tiles of each K step into the stage ring, by TMA
-//                    (thread 0) or cp.async gathers (the loaders, loaders.cuh), or for MXFP8
-//                    weights by TMA into a staging ring of its own and a widening pass
-//                    (mxfp8_loaders.cuh);
+//                    (thread 0) or cp.async gathers (the loaders, loaders.cuh); MXFP8 weights
+//                    as raw e4m3 and scales by TMA (mxfp8_loaders.cuh);
 //   warpgroups 1, 2  consumers: the MMA mainloop over the ring into fp32 registers, then
-//                    the epilogue from registers to global memory.
+//                    the epilogue from registers to global memory. With MXFP8 weights
+//                    (RegisterAConsumers, tile.cuh) they widen the weights in registers and
+//                    feed them as wgmma's register A operand: the accumulators hold out^T,
+//                    and the epilogues' store_transposed writes them.
 // The consumers either share each tile (CooperativeConsumers) or own alternate tiles and
 // take turns at the tensor cores (PingPongConsumers: one's epilogue under the other's
 // mainloop), tile.cuh. Tiles come from the scheduler: M-grouped over moe_align's expert blocks (the
@@ -28,6 +30,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "epilogues.cuh"
 #include "loaders.cuh"
@@ -63,9 +66,14 @@ struct MoeGemm {
   using Scheduler = Scheduler_;
   using Consumers = Consumers_<Tile, typename ALoad::Layout, typename BLoad::Layout>;
   static constexpr int kClusterM = kClusterM_;
+  static constexpr bool kFenceGenericWrites =
+      ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites;
+  // Register-A consumers (MXFP8 weights widened in registers) run their own K loop over the
+  // same ring (mma.cuh).
   using Mainloop =
-      WarpgroupMainloop<Tile, Consumers, ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites,
-                        kClusterM>;
+      std::conditional_t<Consumers::kRegisterA,
+                         WarpgroupMainloopRS<Tile, Consumers, kFenceGenericWrites>,
+                         WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites, kClusterM>>;
 
   static constexpr int kThreads = 128 * (1 + Consumers::kWarpgroups);
   static constexpr int kProducerThreads =
@@ -73,10 +81,10 @@ struct MoeGemm {
   // Register split (sm_90a setmaxnreg, multiples of 8). The CTA launches with 168 registers
   // a thread (__launch_bounds__(384, 1)) and can only move those 384 x 168 between its
   // warpgroups: 128 * (producer + 2 * consumer) <= 64512, or setmaxnreg.inc waits forever.
-  // The loaders say what the producer needs (24 for one TMA thread, 40 for the gather, 56 for
-  // the MXFP8 widening; 40 in a cluster, whose producer also works out its share of the boxes
-  // and the multicast masks), the consumers get the rest: 224 to 240 registers, room for
-  // their 128 to 192 fp32 accumulators and the epilogue.
+  // The loaders say what the producer needs (24 for one TMA thread, 40 for the gather; 40 in a
+  // cluster, whose producer also works out its share of the boxes and the multicast masks), the
+  // consumers get the rest: 224 to 240 registers, room for their 128 to 192 fp32 accumulators
+  // and the epilogue.
   static constexpr int kLoaderRegs =
       ALoad::kProducerRegs > BLoad::kProducerRegs ? ALoad::kProducerRegs : BLoad::kProducerRegs;
   static constexpr int kProducerRegs = kClusterM > 1 && kLoaderRegs < 40 ? 40 : kLoaderRegs;
@@ -103,16 +111,15 @@ struct MoeGemm {
   static_assert(!Epilogue::kWritesPaddingRows || Scheduler::kMGrouped,
                 "padding rows are rows of M-grouped tiles");
 
-  static_assert(BLoad::kExtraSmemBytes % 1024 == 0, "the stage buffers after it stay aligned");
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of one or two CTAs along M");
+  static_assert(!Consumers::kRegisterA || kClusterM == 1, "the register-A loop has no clusters");
   static_assert(splits_b<BLoad>(kClusterM),
                 "a cluster splits the B tile's TMA boxes between its CTAs");
 
-  // The B loader's own shared memory (its staging, mxfp8_loaders.cuh), the ring, then
+  // The epilogue's shared memory (Tile::kEpilogueBytes, inside Tile::smem_bytes), the ring, then
   // (ping-pong) the two turn barriers.
   static constexpr size_t smem_bytes(int stages) {
-    return BLoad::kExtraSmemBytes + Tile::smem_bytes(stages) +
-           (Consumers::kPingPong ? 2 * sizeof(uint64_t) : 0);
+    return Tile::smem_bytes(stages) + (Consumers::kPingPong ? 2 * sizeof(uint64_t) : 0);
   }
 };
 
@@ -162,8 +169,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int stages = p.stages;
-  uint8_t* smem_extra = smem;
-  uint8_t* smem_a = smem + BLoad::kExtraSmemBytes;
+  uint8_t* smem_epilogue = smem;
+  uint8_t* smem_a = smem_epilogue + Tile::kEpilogueBytes;
   uint8_t* smem_b = smem_a + size_t(stages) * Tile::kABytes;
   const StageRing ring(smem_b + size_t(stages) * Tile::kBBytes, stages);
   uint64_t* turn_barriers = ring.empty + stages;
@@ -172,7 +179,6 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
-    BLoad::init_extra(smem_extra);
     ring.init(Kernel::kFullArrivals, Kernel::kEmptyArrivals);
     if constexpr (Consumers::kPingPong) {
       mbarrier_init(&turn_barriers[0], 128);
@@ -180,8 +186,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       mbarrier_init_fence();
     }
     if constexpr (ALoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_a);
-    if constexpr (BLoad::kTmaBytes > 0 || BLoad::kExtraSmemBytes > 0)  // staged by TMA too
-      tma_prefetch_descriptor(&tmap_b);
+    if constexpr (BLoad::kTmaBytes > 0) tma_prefetch_descriptor(&tmap_b);
   }
   // Both CTAs' barriers are initialized before either copies into or arrives on the other's.
   if constexpr (kCluster)
@@ -199,7 +204,6 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     if (tid < Kernel::kProducerThreads) {
       ALoad a_load(tid);
       BLoad b_load(tid);
-      b_load.attach(smem_extra);
       // Tile t's cluster partner is t ^ 1 (the scheduler pairs them; blockIdx.x % 2 is the
       // CTA's rank, and gridDim.x is even).
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
@@ -256,7 +260,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     const int consumer = warpgroup - 1;
     const int m_offset = Consumers::m_offset(consumer);
     const int n_offset = Consumers::n_offset(consumer);
-    constexpr int kRows = 64 * Consumers::kMmaM;  // rows of the tile this warpgroup holds
+    // Rows of the tile this warpgroup holds: its tokens are wgmma's N with register-A consumers.
+    constexpr int kRows = Consumers::kRegisterA ? Consumers::kMmaN : 64 * Consumers::kMmaM;
     ConsumerTurns turns{turn_barriers};
     typename Mainloop::Accumulators acc;
     int seq = 0;  // the tile's place among the CTA's tiles (a cluster's missing ones too)
@@ -298,14 +303,26 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       const auto pass_turn = [&] {
         if constexpr (Consumers::kPingPong) turns.pass_turn(consumer);
       };
-      if (has_work)
-        Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.num_k_blocks, pass_turn);
-      else
-        pass_turn();
-      if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
+      if constexpr (Consumers::kRegisterA) {
+        // The accumulators are out^T: token rows row0 .. + kMmaN, output columns from col0.
+        if (has_work)
+          Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.n0 % 128,
+                        w.num_k_blocks, pass_turn);
+        if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
+        Kernel::Epilogue::store_transposed(p, sched.npp, acc, w, row0, col0,
+                                           smem_epilogue + consumer * (Tile::kEpilogueBytes / 2),
+                                           1 + consumer);
+      } else {
+        if (has_work)
+          Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.num_k_blocks,
+                        pass_turn);
+        else
+          pass_turn();
+        if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
 #pragma unroll
-      for (int mh = 0; mh < Consumers::kMmaM; ++mh)
-        Kernel::Epilogue::store(p, sched.npp, acc[mh], has_work, w, row0 + 64 * mh, col0);
+        for (int mh = 0; mh < Consumers::kMmaM; ++mh)
+          Kernel::Epilogue::store(p, sched.npp, acc[mh], has_work, w, row0 + 64 * mh, col0);
+      }
     }
   }
   // The partner may still copy into this CTA's stages or arrive on its barriers until both

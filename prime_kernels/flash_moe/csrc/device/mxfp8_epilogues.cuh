@@ -8,11 +8,9 @@
 //                  is exact down to 2^-133 (mxfp8_loaders.cuh). A block holding NaN or +-Inf is
 //                  stored as NaN, as mxfp8.py's quantize then dequantize gives it.
 //
-// In the wgmma accumulator layout a row's 32 columns of one block (registers 4 j + 2 i + c for j
-// in [4 a, 4 a + 4)) are spread over the 4 lanes of a quad, 8 per lane: the block's amax and its
-// NaN flag are the lane's own, then two butterfly shuffles. The consumer's columns start on a
-// multiple of 32 (block_n and its halves are), and so does H, so a block is never split.
-// Padding rows hold zeros, as in SwiGluToH.
+// It takes the register-A GEMM's transposed accumulators (store_transposed). The consumer's
+// columns start on a multiple of 32 (block_n and its halves are), and so does H, so a block is
+// never split. Padding rows hold zeros, as in SwiGluToH.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,10 +18,11 @@
 
 #include <cstdint>
 
+#include "epilogues.cuh"
 #include "moe_gemm_params.cuh"
 #include "mxfp8_loaders.cuh"
 #include "mxfp8_quantize.cuh"
-#include "prime_kernels/wgmma.cuh"
+#include "prime_kernels/mbarrier.cuh"
 #include "schedulers.cuh"
 
 namespace prime_moe {
@@ -32,56 +31,89 @@ struct SwiGluToMxfp8 {
   static constexpr int kNumB = 2;  // gate tile, up tile
   static constexpr bool kWritesPaddingRows = false;
 
+  // Register-A accumulators (RegisterAConsumers, tokens along wgmma's N). Two row layouts: split
+  // rows (kMmas = 2: acc[0] the gate rows h = 16 w + g + 8 i, acc[1] the up rows of the same h,
+  // in the same registers) and interleaved (kMmas = 1: row half i = 0 the gate and i = 1 the up
+  // row of h = 8 w + g). After transposed_pair a lane holds,
+  // per j, one token's h at 2 adjacent columns per row half; the 32 columns of that token's
+  // MXFP8 block are those of lanes l ^ 8, l ^ 16 (the warp's other column pairs) and of the same
+  // lane in warp w ^ 1 (split: 16 columns a warp) or in all 4 warps (interleaved: 8 a warp).
+  // The block's amax is taken on biased exponents (the largest |h| has the largest exponent
+  // field; 0xFF is NaN/Inf, as `bad`), 4 tokens a word: __vmaxu4 over two shuffles, then through
+  // 128 bytes of shared memory per warp (scratch) and a named barrier of the warpgroup
+  // (barrier_id).
   template <int kMmas, int kRegs>
-  __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
-                                               const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
-                                               const MoeWorkTile& /*w*/, int row0, int col0) {
+  __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int /*npp*/,
+                                                          const float (&acc)[kMmas][kRegs],
+                                                          const MoeWorkTile& /*w*/, int row0,
+                                                          int col0, uint8_t* scratch,
+                                                          int barrier_id) {
     using namespace prime_kernels;
-    constexpr int kHalf = kMmas * kRegs / 2;  // flat offset of the up columns
-    constexpr int kBlocks = kHalf / 16;       // 32-column blocks: 16 registers each (2 rows)
-    static_assert(kHalf % 16 == 0, "whole 32-column blocks");
+    static_assert(kMmas == 1 || kMmas == 2, "interleaved gate/up rows, or a gate and an up block");
+    constexpr bool kInterleaved = kMmas == 1;
+    constexpr int kHalves = kInterleaved ? 1 : 2;  // row halves of h a thread holds
+    constexpr int kSteps = kRegs / 4;              // token steps j (8 tokens each)
+    constexpr int kWords = (kSteps + 3) / 4;       // exponent bytes of 4 steps a word
+    static_assert(4 * 8 * kWords * 4 <= 512, "the warpgroup's 512 scratch bytes");
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    float2 h[kSteps][kHalves];
+    uint32_t e[kWords] = {};
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const size_t row = size_t(row0 + wgmma_acc_row(i));
-      __nv_bfloat16* dst = p.out + row * p.ld_out;
+    for (int j = 0; j < kSteps; ++j) {
+      uint32_t ej = 0;
 #pragma unroll
-      for (int a = 0; a < kBlocks; ++a) {
-        float h[8];
-        float amax = 0.f;
-        bool finite = true;
+      for (int i = 0; i < kHalves; ++i) {
+        // SwiGLU in the accumulators' layout, then one exchange for h (not one for g and u).
+        float hc[2];
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const int j = 4 * a + t;
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float g = wgmma_acc_at(acc, 4 * j + 2 * i + c);
-            const float u = wgmma_acc_at(acc, kHalf + 4 * j + 2 * i + c);
-            const float v = g / (1.0f + __expf(-g)) * u;
-            h[2 * t + c] = v;
-            finite &= isfinite(v);
-            amax = fmaxf(amax, fabsf(v));
-          }
+        for (int c = 0; c < 2; ++c) {
+          const float g = kInterleaved ? acc[0][4 * j + c] : acc[0][4 * j + 2 * i + c];
+          const float u = kInterleaved ? acc[0][4 * j + 2 + c] : acc[kMmas - 1][4 * j + 2 * i + c];
+          hc[c] = g / (1.0f + __expf(-g)) * u;
         }
-        // The quad's lanes hold the block's 32 columns; every lane runs the shuffles.
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-        uint32_t bad = finite ? 0u : 1u;
-        bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, 1);
-        bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, 2);
-        const int s = min(max(int((__float_as_uint(amax) >> 23) & 0xFF) - 8, 0), 254);
-        const float inv_scale = mxfp8_pow2(127 - s);
-        const float scale = mxfp8_pow2(s - 127);
+        h[j][i] = transposed_pair(hc[0], hc[1]);
+        ej = max(ej, max((__float_as_uint(h[j][i].x) >> 23) & 0xFF,
+                         (__float_as_uint(h[j][i].y) >> 23) & 0xFF));
+      }
+      e[j / 4] |= ej << (8 * (j % 4));
+    }
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const int col = col0 + wgmma_acc_col(4 * a + t);
-          if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
-          const float v0 = fminf(fmaxf(__fmul_rn(h[2 * t], inv_scale), -448.f), 448.f);
-          const float v1 = fminf(fmaxf(__fmul_rn(h[2 * t + 1], inv_scale), -448.f), 448.f);
-          const __nv_fp8x2_storage_t two =
-              __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
-          const uint32_t word = bad ? 0x7FC07FC0u : mxfp8_pair_to_bf16x2(two, scale);
-          *reinterpret_cast<uint32_t*>(dst + col) = word;
-        }
+    for (int k = 0; k < kWords; ++k) {
+      e[k] = __vmaxu4(e[k], __shfl_xor_sync(0xFFFFFFFFu, e[k], 8));
+      e[k] = __vmaxu4(e[k], __shfl_xor_sync(0xFFFFFFFFu, e[k], 16));
+    }
+    uint32_t* words = reinterpret_cast<uint32_t*>(scratch);
+    if ((lane & 24) == 0) {
+#pragma unroll
+      for (int k = 0; k < kWords; ++k) words[(warp * 8 + lane) * kWords + k] = e[k];
+    }
+    named_barrier_sync(barrier_id, 128);
+#pragma unroll
+    for (int other = 0; other < 4; ++other) {
+      if (!kInterleaved && other >> 1 != warp >> 1) continue;  // split: the warp pair only
+#pragma unroll
+      for (int k = 0; k < kWords; ++k)
+        e[k] = __vmaxu4(e[k], words[(other * 8 + (lane & 7)) * kWords + k]);
+    }
+    named_barrier_sync(barrier_id, 128);  // read: the next tile may write the scratch
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const uint32_t exp = (e[j / 4] >> (8 * (j % 4))) & 0xFF;
+      const bool bad = exp == 0xFF;
+      const int s = max(int(exp) - 8, 0);  // exp <= 254: s <= 246
+      const float inv_scale = mxfp8_pow2(127 - s);
+      const float scale = mxfp8_pow2(s - 127);
+      __nv_bfloat16* dst = p.out + size_t(row0 + transposed_token(j)) * p.ld_out;
+#pragma unroll
+      for (int i = 0; i < kHalves; ++i) {
+        const int col = col0 + (kInterleaved ? 8 * warp + ((lane / 4) & ~1) : transposed_column(i));
+        if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
+        const float v0 = fminf(fmaxf(__fmul_rn(h[j][i].x, inv_scale), -448.f), 448.f);
+        const float v1 = fminf(fmaxf(__fmul_rn(h[j][i].y, inv_scale), -448.f), 448.f);
+        const __nv_fp8x2_storage_t two =
+            __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t word = bad ? 0x7FC07FC0u : mxfp8_pair_to_bf16x2(two, scale);
+        *reinterpret_cast<uint32_t*>(dst + col) = word;
       }
     }
   }

@@ -22,6 +22,7 @@ struct MoeGemmTile {
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kBBytes = kNumB * kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kEpilogueBytes = 0;  // the epilogues store from registers
 
   static_assert(kBlockM == 64 || kBlockM == 128, "a block is one or two wgmma M of 64 rows");
   static_assert(kNumB * kBlockN <= 512 && kBlockN <= 256, "TMA box rows are at most 256");
@@ -45,6 +46,7 @@ struct CooperativeConsumers {
   using BLayout = BLayout_;
   static constexpr int kWarpgroups = 2;
   static constexpr bool kPingPong = false;
+  static constexpr bool kRegisterA = false;
   static constexpr int kWarpgroupsPerStage = 2;  // both read every stage
   static constexpr int kMmaM = 1;                // 64-row wgmma per warpgroup
   static constexpr int kWgM = Tile::kBlockM / 64;
@@ -85,6 +87,7 @@ struct PingPongConsumers {
   using BLayout = BLayout_;
   static constexpr int kWarpgroups = 2;
   static constexpr bool kPingPong = true;
+  static constexpr bool kRegisterA = false;
   static constexpr int kWarpgroupsPerStage = 1;  // a stage belongs to one tile
   static constexpr int kMmaM = Tile::kBlockM / 64;
   static constexpr bool kFuseB = true;  // the warpgroup has every column of the stage
@@ -102,6 +105,90 @@ struct PingPongConsumers {
 
   __device__ __forceinline__ static int m_offset(int /*consumer*/) { return 0; }
   __device__ __forceinline__ static int n_offset(int /*consumer*/) { return 0; }
+};
+
+// The register-A (wgmma RS) form of a tile, for MXFP8 weights widened in the consumers
+// (mxfp8_fragment.cuh): the weights are wgmma's A (M = weight rows) and the kBlockM token rows
+// its B (N = tokens), so the accumulators hold out^T. A stage holds the token rows as
+// MoeGemmTile's A (bf16, K-major, 128-byte swizzle: kABytes) and, in its B buffer, the raw e4m3
+// weight tiles (kNumB tiles of kBlockN rows x 64 bytes, 64-byte swizzle, by TMA) followed by the
+// 512-byte blocks of the blocked scale layout that hold the step's two scale columns: per tile,
+// one per 128 rows (kBlockN <= 128: the one its rows lie in). Half the weight bytes of a bf16
+// stage, so deeper rings fit. kEpilogueBytes: the transposed MXFP8 epilogue's exchange of
+// per-32-row exponents between the two warps of a 32-row block (mxfp8_epilogues.cuh), 512
+// bytes a consumer warpgroup.
+template <int kBlockM_, int kBlockN_, int kNumB_>
+struct MoeGemmTileRS {
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNumB = kNumB_;
+  static constexpr int kBlockK = 64;  // one 128-byte row of bf16 tokens, 64 bytes of e4m3
+  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kScaleBlocks = kBlockN > 128 ? kBlockN / 128 : 1;  // per weight tile
+  static constexpr int kWeightBytes = kNumB * kBlockN * kBlockK;
+  static constexpr int kScaleBytes = kNumB * kScaleBlocks * 512;
+  static constexpr int kBBytes = (kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kEpilogueBytes = 1024;
+
+  static_assert(kBlockM == 64 || kBlockM == 128, "tokens are one wgmma N of 32 to 128");
+  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "whole 64-row wgmma M");
+  static_assert(kBlockN <= 128 || kBlockN % 128 == 0, "whole 128-row scale tiles");
+  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
+                "stage buffers keep the 1024-byte alignment of the 128B swizzle atom");
+
+  static constexpr size_t smem_bytes(int stages) {
+    return 1024 /* alignment slack */ + kEpilogueBytes + size_t(stages) * kStageBytes +
+           prime_kernels::StageRing::barrier_bytes(stages);
+  }
+};
+
+// Cooperative consumers of a register-A tile (MoeGemmTileRS): both warpgroups read every stage
+// and finish a tile together, each converting its own weight rows once (the conversion, not the
+// MMA, is the scarce issue slots) for all the tile's tokens. Two row layouts:
+//   split rows (weight tiles of 128 rows or more): each warpgroup takes half of every weight
+//     tile's rows, kBlockN / 128 m64 blocks per tile; for the gate/up GEMM (kNumB = 2) the
+//     gate rows h and up rows H + h of the same h sit in the same registers of its two m64
+//     blocks, so the SwiGLU stays in the thread;
+//   interleaved (the 64-row gate and up tiles of block_n = 64): one m64 block a warpgroup, whose
+//     fragment row slots r0 = 16 w + g and r0 + 8 read gate row h = 32 c + 8 w + g and up row h
+//     (the mainloop reads the rows by hand, so any row order is one of addresses): the
+//     accumulators' row half i = 0 is g, i = 1 is u of the same h, in the thread.
+// At most 2 x 64 accumulators a thread, as the bf16 tiles.
+//   m_offset: the warpgroup's first token row of the tile (0: its B rows are all the tokens);
+//   n_offset: its first output column (weight row inside each weight tile).
+template <class Tile, class ALayout_, class BLayout_>
+struct RegisterAConsumers {
+  using ALayout = ALayout_;  // the token rows (wgmma's B here)
+  using BLayout = BLayout_;  // unused: the weights are read by hand
+  static constexpr int kWarpgroups = 2;
+  static constexpr bool kPingPong = false;
+  static constexpr bool kRegisterA = true;
+  static constexpr int kWarpgroupsPerStage = 2;
+  static constexpr bool kInterleaved = Tile::kNumB == 2 && Tile::kBlockN == 64;
+  static constexpr int kMmaPerTile = kInterleaved ? 1 : Tile::kBlockN / 128;
+  static constexpr int kMmaM = kInterleaved ? 1 : Tile::kNumB * kMmaPerTile;
+  static constexpr int kMmaN = Tile::kBlockM;
+  static constexpr int kNumMma = 1;
+  static constexpr int kWgRows = Tile::kBlockN / 2;  // output columns per warpgroup
+  using Mma = prime_kernels::WgmmaBf16RS<kMmaN, ALayout::kTrans>;
+
+  static_assert(!ALayout::kTrans, "the token rows are K-major");
+  static_assert(kInterleaved || Tile::kBlockN % 128 == 0, "split rows take whole m64 halves");
+  static_assert(kMmaN == 64 || kMmaN == 128, "an instantiated RS wgmma N");
+  static_assert(kMmaM * Mma::kAccRegs <= 128, "accumulators must fit the consumer budget");
+
+  __device__ __forceinline__ static int m_offset(int /*consumer*/) { return 0; }
+  __device__ __forceinline__ static int n_offset(int consumer) { return consumer * kWgRows; }
+  // The stage row (tile * kBlockN + row inside the tile) that accumulator row 16 warp + g + 8 i
+  // of m64 block mh reads, for a warpgroup whose n_offset is row_offset. Every one is g modulo 8
+  // (the 64-byte swizzle's chunk XOR, (row / 2) % 4, is the thread's own for all of them).
+  __host__ __device__ static constexpr int stage_row(int mh, int i, int warp, int g,
+                                                     int row_offset) {
+    return kInterleaved ? i * Tile::kBlockN + row_offset + 8 * warp + g
+                        : (mh / kMmaPerTile) * Tile::kBlockN + (mh % kMmaPerTile) * 64 +
+                              row_offset + 16 * warp + 8 * i + g;
+  }
 };
 
 }  // namespace prime_moe

@@ -1,0 +1,235 @@
+"""The register-A MXFP8 forward's index math (tile.cuh RegisterAConsumers, mxfp8_loaders.cuh
+Mxfp8WeightTilesRS, mma.cuh WarpgroupMainloopRS, epilogues.cuh transposed_pair), modelled on the
+CPU: element ids instead of values, so a wrong address shows as a wrong id. Independent
+definitions on the other side: TMA's 64-byte swizzle (address bits 7-8 into bits 4-5), mxfp8.py's
+pack_scales_blocked, the wgmma A-fragment and accumulator layouts of the PTX ISA. Runs without a
+GPU; it checks that the C++ formulas, transcribed here, address what they claim to."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prime_kernels.flash_moe import mxfp8
+
+BLOCK_K = 64
+
+
+def sw64(rows: np.ndarray) -> np.ndarray:
+    """A TMA box of (n, 64) byte ids as the 64-byte swizzle lays it in shared memory."""
+    n = rows.shape[0]
+    out = np.full(n * 64, -1, dtype=np.int64)
+    for r in range(n):
+        for c in range(64):
+            out[64 * r + 16 * ((c // 16) ^ ((r >> 1) & 3)) + c % 16] = rows[r, c]
+    return out
+
+
+class Config:
+    """A tile of the forward: gate/up (num_b = 2, weight rows gate h and up H + h) or down."""
+
+    def __init__(self, block_m, block_n, num_b, rows_per_expert, second_offset, k_dim, n0):
+        self.block_m, self.block_n, self.num_b = block_m, block_n, num_b
+        self.rows_per_expert, self.second_offset, self.k_dim, self.n0 = (
+            rows_per_expert,
+            second_offset,
+            k_dim,
+            n0,
+        )
+        self.scale_blocks = block_n // 128 if block_n > 128 else 1
+        self.weight_bytes = num_b * block_n * BLOCK_K
+        # RegisterAConsumers
+        self.interleaved = num_b == 2 and block_n == 64
+        self.mma_per_tile = 1 if self.interleaved else block_n // 128
+        self.mma_m = 1 if self.interleaved else num_b * self.mma_per_tile
+        self.wg_rows = block_n // 2
+
+    def n_offset(self, c):
+        return c * self.wg_rows
+
+    def stage_row(self, mh, i, warp, g, row_offset):
+        """RegisterAConsumers::stage_row, transcribed."""
+        if self.interleaved:
+            return i * self.block_n + row_offset + 8 * warp + g
+        return (
+            (mh // self.mma_per_tile) * self.block_n
+            + (mh % self.mma_per_tile) * 64
+            + row_offset
+            + 16 * warp
+            + 8 * i
+            + g
+        )
+
+    def meaning(self, c, mh, m):
+        """What the epilogues take accumulator row m of m64 block mh to be: (weight tile,
+        output column). Down (StoreRows, WeightedAtomicAdd): column col0 + 64 mh + m. Gate/up,
+        split rows: tile mh (gate, up), column col0 + m. Interleaved: row half i = (m / 8) % 2
+        is the tile, column col0 + 8 (m / 16) + m % 8."""
+        col0 = self.n0 + self.n_offset(c)
+        if self.interleaved:
+            return (m // 8) % 2, col0 + 8 * (m // 16) + m % 8
+        if self.num_b == 2:
+            return mh, col0 + m
+        return 0, col0 + 64 * mh + m
+
+
+def stage_bytes(cfg: Config, weights, packed_scales, expert, kb):
+    """Mxfp8WeightTilesRS::load: the stage's B buffer as ids (weights, then scale blocks)."""
+    value_row = expert * cfg.rows_per_expert + cfg.n0
+    out = []
+    for b in range(cfg.num_b):
+        first = value_row + b * cfg.second_offset
+        box = np.full((cfg.block_n, 64), -1, dtype=np.int64)
+        have = max(0, min(cfg.block_n, weights.shape[0] - first))
+        box[:have] = weights[first : first + have, kb * BLOCK_K : (kb + 1) * BLOCK_K]
+        out.append(sw64(box))
+    scales = packed_scales[expert]
+    row_tiles, col_tiles = cfg.rows_per_expert // 128, cfg.k_dim // 128
+    blocks = []
+    for b in range(cfg.num_b):
+        row_tile = (cfg.n0 + b * cfg.second_offset) // 128
+        for j in range(cfg.scale_blocks):
+            t = min(row_tile + j, row_tiles - 1)
+            at = (t * col_tiles + kb // 2) * 512
+            blocks.append(scales[at : at + 512])
+    return np.concatenate(out + blocks)
+
+
+def consumer_fragments(cfg: Config, smem, c, kb):
+    """WarpgroupMainloopRS: per (mh, kk, warp, lane) the ids of a[0..3]'s 8 halves and of the two
+    scale bytes (rows r0, r1)."""
+    result = {}
+    for warp in range(4):
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            swizzle = (g >> 1) & 3
+            for mh in range(cfg.mma_m):
+                value_at, scale_at = [], []
+                for i in range(2):
+                    row = cfg.stage_row(mh, i, warp, g, cfg.n_offset(c))
+                    assert (row >> 1) & 3 == swizzle  # the mainloop's one swizzle per thread
+                    tile = row // cfg.block_n
+                    value_at.append(row * BLOCK_K + 2 * q)
+                    r = cfg.n0 % 128 + row % cfg.block_n
+                    scale_at.append(
+                        cfg.weight_bytes
+                        + (tile * cfg.scale_blocks + r // 128) * 512
+                        + (r % 32) * 16
+                        + (r % 128) // 32 * 4
+                    )
+                for kk in range(4):
+                    r0 = value_at[0] + 16 * (kk ^ swizzle)
+                    r1 = value_at[1] + 16 * (kk ^ swizzle)
+                    a = [smem[r0 : r0 + 2], smem[r1 : r1 + 2], smem[r0 + 8 : r0 + 10]]
+                    a.append(smem[r1 + 8 : r1 + 10])
+                    s0 = smem[scale_at[0] + 2 * (kb & 1) + kk // 2]
+                    s1 = smem[scale_at[1] + 2 * (kb & 1) + kk // 2]
+                    result[(mh, kk, warp, lane)] = (a, s0, s1)
+    return result
+
+
+CONFIGS = [
+    # (block_m, block_n, num_b, rows_per_expert, second_offset, k_dim, n0): H = D = 384
+    (128, 128, 2, 768, 384, 256, 256),  # gate/up 128 x (128 + 128): rows split
+    (128, 64, 2, 768, 384, 256, 64),  # gate/up block_n 64 (interleaved): upper scale half
+    (64, 64, 2, 768, 384, 256, 128),
+    (128, 256, 1, 384, 0, 384, 256),  # down: the last n tile, half past D
+    (64, 128, 1, 384, 0, 384, 128),
+]
+
+
+@pytest.mark.parametrize("params", CONFIGS, ids=lambda p: "x".join(map(str, p[:3])))
+def test_fragments_address_their_weights_and_scales(params):
+    cfg = Config(*params)
+    experts = 2
+    rows, k = experts * cfg.rows_per_expert, cfg.k_dim
+    weights = np.arange(rows * k, dtype=np.int64).reshape(rows, k)
+    scale_ids = torch.arange(rows * (k // 32), dtype=torch.int64).reshape(experts, -1, k // 32)
+    packed = mxfp8.pack_scales_blocked(scale_ids).reshape(experts, -1).numpy()
+    expert = 1
+    for kb in range(k // BLOCK_K):
+        smem = stage_bytes(cfg, weights, packed, expert, kb)
+        for c in range(2):
+            frags = consumer_fragments(cfg, smem, c, kb)
+            for (mh, kk, warp, lane), (a, s0, s1) in frags.items():
+                g, q = lane // 4, lane % 4
+                # PTX A fragment: a[0] = (row 16w + g, columns 2q, 2q + 1), a[1] = row + 8,
+                # a[2] = columns + 8, a[3] = both; the row means what the epilogue says.
+                for reg in range(4):
+                    m = 16 * warp + g + 8 * (reg % 2)
+                    tile, out_col = cfg.meaning(c, mh, m)
+                    row = tile * cfg.second_offset + out_col  # the expert's weight row
+                    if out_col >= cfg.rows_per_expert // (2 if cfg.num_b == 2 else 1):
+                        continue  # past the GEMM's N: output columns the epilogue drops
+                    k0 = kb * BLOCK_K + 16 * kk + 2 * q + 8 * (reg // 2)
+                    want = weights[expert * cfg.rows_per_expert + row, k0 : k0 + 2]
+                    assert list(a[reg]) == list(want), (params, c, mh, kk, warp, lane, reg)
+                    if reg < 2:  # the row's scale: s0 for r0, s1 for r1
+                        block = (kb * BLOCK_K + 16 * kk) // 32
+                        s = s0 if reg == 0 else s1
+                        assert s == scale_ids[expert, row, block].item(), (params, c, mh, kk, lane)
+
+
+def transposed_pair_model(n_tokens):
+    """transposed_pair over a warpgroup: per (warp, lane, i, j) the (column, token) ids its two
+    values carry, given the accumulator layout (register 4j + 2i + c: row 16w + g + 8i, column
+    8j + 2q + c) and the shuffle with lane ^ 4."""
+    acc = {}
+    for warp in range(4):
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            for j in range(n_tokens // 8):
+                for i in range(2):
+                    for cc in range(2):
+                        acc[(warp, lane, 4 * j + 2 * i + cc)] = (
+                            16 * warp + g + 8 * i,
+                            8 * j + 2 * q + cc,
+                        )
+    out = {}
+    for warp in range(4):
+        for lane in range(32):
+            odd = (lane // 4) & 1
+            for j in range(n_tokens // 8):
+                for i in range(2):
+                    c0, c1 = acc[(warp, lane, 4 * j + 2 * i)], acc[(warp, lane, 4 * j + 2 * i + 1)]
+                    partner = lane ^ 4
+                    p0 = acc[(warp, partner, 4 * j + 2 * i)]
+                    p1 = acc[(warp, partner, 4 * j + 2 * i + 1)]
+                    other = p1 if (partner // 4) & 1 == 0 else p0  # what the partner sends
+                    out[(warp, lane, i, j)] = (other, c1) if odd else (c0, other)
+    return out
+
+
+@pytest.mark.parametrize("n_tokens", [32, 64, 128])
+def test_transposed_pairs_cover_the_tile_once(n_tokens):
+    seen = set()
+    for (warp, lane, i, j), (x, y) in transposed_pair_model(n_tokens).items():
+        g, q = lane // 4, lane % 4
+        token = 8 * j + 2 * q + (g & 1)  # transposed_token
+        column = 16 * warp + (g & ~1) + 8 * i  # transposed_column
+        assert x == (column, token) and y == (column + 1, token)
+        seen |= {x, y}
+    assert seen == {(m, t) for m in range(64) for t in range(n_tokens)}
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["split", "interleaved"])
+def test_mxfp8_block_reduction_spans_32_columns(interleaved):
+    """SwiGluToMxfp8::store_transposed: a token's amax combines lanes l, l ^ 8, l ^ 16, l ^ 24 of
+    warps w and w ^ 1 (split rows: h = 16 w + (g & ~1) + 8 i + {0, 1}) or of all 4 warps
+    (interleaved: h = 8 w + (g & ~1) + {0, 1}), whose columns are exactly one 32-column block."""
+    for warp in range(4):
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            token = 2 * q + (g & 1)
+            cols = set()
+            warps = range(4) if interleaved else (warp, warp ^ 1)
+            for w2 in warps:
+                for l2 in (lane, lane ^ 8, lane ^ 16, lane ^ 24):
+                    g2, q2 = l2 // 4, l2 % 4
+                    assert 2 * q2 + (g2 & 1) == token
+                    for i in range(1 if interleaved else 2):
+                        c = (8 * w2 if interleaved else 16 * w2 + 8 * i) + (g2 & ~1)
+                        cols |= {c, c + 1}
+            block = 0 if interleaved else (16 * warp) // 32
+            assert cols == set(range(32 * block, 32 * block + 32))
