@@ -212,7 +212,7 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
     // fewer tiles than SMs, or when a routed expert has at most kDecodeRowsPerExpert rows on
     // average: decode-sized T, where the blocks are mostly padding and the kernels stream
     // weights, and more, narrower tiles keep more of them in flight (H200, T = 64, all five
-    // benchmark configs: 2-5% less time, Mixtral-8x7B 84% -> 88% of the copy rate; at T =
+    // benchmark configs: 0.3-5% less time, Mixtral-8x7B 84% -> 88% of the copy rate; at T =
     // 1024, 64 to 256 rows an expert, 64 costs up to 11%). Not for register-A (MXFP8) tiles:
     // there the block's tokens are wgmma's N, multiplied in full however much is padding, so
     // narrower weight tiles only add tiles (T = 64, two runs: Qwen3-30B-A3B 0.519 ms at 128

@@ -14,7 +14,7 @@
 // StoreRows, WeightedAtomicAdd::store_transposed). Every instantiated tile runs this path. On
 // the H200 at Qwen3-30B-A3B T = 32768 it runs at 0.55-0.63x of the bf16 forward in two runs
 // (the previous path: ~0.50x). At decode sizes the block's 128 token rows are wgmma's N in full,
-// padding included, so tensor time, not the fp8 stream, bounds T = 64.
+// padding included: by arithmetic, more tensor time than the fp8 stream takes at T = 64.
 #include "fused_moe_mxfp8.h"
 
 #include <string>
