@@ -31,13 +31,13 @@
 namespace prime_moe {
 namespace {
 
-// The tiles, chosen once here. 128 rows: moe_align's block. dh's epilogue (it reads g, u
-// and writes three outputs) is as long as a third of its mainloop, so dh runs ping-pong:
-// each warpgroup owns 128 x 128 tiles (128 accumulators a thread) and stores one under the
-// other's mainloop. The others are cooperative 128 x 256, two warpgroups of 64 x 256, the
-// largest whose accumulators (128 per consumer thread) fit (dxe ping-pong 128 x 128: no
-// faster).
-using DhTile = MoeGemmTile<128, 128, 1>;
+// The tiles, chosen once here. 128 rows: moe_align's block. Every GEMM is cooperative 128 x 256,
+// two warpgroups of 64 x 256, the largest whose accumulators (128 per consumer thread) fit. dh
+// (whose epilogue reads g, u and writes three outputs) ran ping-pong 128 x 128 tiles, one
+// warpgroup's epilogue under the other's mainloop, until its epilogue had become short: then the
+// wide tile's half-as-much shared-memory and L2 traffic per flop won (H200, benchmarks/ab.py
+// --mode train, 3 rounds, T = 8192, whole step: DeepSeek-V3-32 1.017, Mixtral-8x7B 1.011,
+// Qwen3-30B-A3B 1.014; dxe ping-pong 128 x 128 was no faster either).
 using WideTile = MoeGemmTile<128, 256, 1>;
 
 // Every operand in padded-row order is read by TMA. dO and x are first copied into that
@@ -45,15 +45,14 @@ using WideTile = MoeGemmTile<128, 256, 1>;
 // gathering their token rows inside the GEMMs by cp.async held dh at ~370 TFLOP/s and dW2 at ~290
 // (Qwen3-30B-A3B T = 32768), the gather's rate, not the tensor cores'. Every GEMM runs in 2-CTA
 // clusters that share the B tile of two M-consecutive tiles (the weight tile of two blocks of one
-// expert; for a weight gradient the same rows of y1s or x), moe_gemm.cuh: a CTA reads a third (dxe,
-// dW2, dW) or a quarter (dh) less from L2 per K step. Measured against single CTAs (H200,
-// benchmarks/ab.py --mode train, 3 rounds, with the forward's GEMMs in clusters too): Qwen3-30B-A3B
-// 0.995 / 1.000 and Mixtral-8x7B 0.999 / 1.026 at T = 8192 / 32768; ncu had put L2 at 58-75% of its
-// peak, so there was little to win. (The forward's GEMMs ran 3.5% slower in clusters, forward op
-// alone, and stay single.)
+// expert; for a weight gradient the same rows of y1s or x), moe_gemm.cuh: a CTA reads a third less
+// from L2 per K step. Measured against single CTAs (H200, benchmarks/ab.py --mode train, 3 rounds,
+// with the forward's GEMMs in clusters too): Qwen3-30B-A3B 0.995 / 1.000 and Mixtral-8x7B 0.999
+// / 1.026 at T = 8192 / 32768; ncu had put L2 at 58-75% of its peak, so there was little to win.
+// (The forward's GEMMs ran 3.5% slower in clusters, forward op alone, and stay single.)
 constexpr int kClusterM = 2;
-using DhKernel = MoeGemm<DhTile, TmaRows<DhTile>, SwiGluBackward, TmaWeightTilesMN<DhTile>,
-                         MoeTileScheduler, PingPongConsumers, kClusterM>;
+using DhKernel = MoeGemm<WideTile, TmaRows<WideTile>, SwiGluBackward, TmaWeightTilesMN<WideTile>,
+                         MoeTileScheduler, CooperativeConsumers, kClusterM>;
 using DxKernel = MoeGemm<WideTile, TmaRows<WideTile>, StoreRows, TmaWeightTilesMN<WideTile>,
                          MoeTileScheduler, CooperativeConsumers, kClusterM>;
 // dW2 and dW: a K-grouped weight gradient, both operands MN-major by TMA.
@@ -66,7 +65,7 @@ constexpr int kMinStages = 2;
 
 // Columns of H each dh consumer holds: one <dh', h> partial per pair per slice.
 int routing_grad_slices(int64_t hidden_dim) {
-  constexpr int kSlice = DhTile::kBlockN;  // ping-pong: a warpgroup has every column
+  constexpr int kSlice = DhKernel::Consumers::kWgCols;
   return int((hidden_dim + kSlice - 1) / kSlice);
 }
 
@@ -190,9 +189,9 @@ cudaError_t launch_with_ring(const CUtensorMap& tmap_a, const CUtensorMap& tmap_
 }  // namespace
 
 std::string check_moe_backward(const MoeBackwardProblem& pr) {
-  if (pr.block_m != DhTile::kBlockM)
-    return "the backward needs moe_align's layout for block_m=" + std::to_string(DhTile::kBlockM) +
-           ", got block_m=" + std::to_string(pr.block_m);
+  if (pr.block_m != WideTile::kBlockM)
+    return "the backward needs moe_align's layout for block_m=" +
+           std::to_string(WideTile::kBlockM) + ", got block_m=" + std::to_string(pr.block_m);
   const void* pointers[] = {pr.z, pr.dx, pr.dw, pr.dw2};
   for (const void* ptr : pointers)
     if (ptr != nullptr && pr.num_tokens > 0 && !aligned16(ptr))
@@ -256,7 +255,7 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
     return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_w_t, pr.w, uint64_t(E) * 2 * H, D, 64)) != cudaSuccess)
     return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_rows, sc.rows, rows, D, DhTile::kBlockM)) !=
+  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_rows, sc.rows, rows, D, WideTile::kBlockM)) !=
       cudaSuccess)
     return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_dos_k, sc.rows, rows, D, 64)) != cudaSuccess) return err;

@@ -311,6 +311,10 @@ struct SwiGluBackward {
     constexpr int kCols = kMmas * kRegs * 2;  // columns of this warpgroup's accumulators
     constexpr int kGroups = kCols / 32;
     static_assert(kCols % 32 == 0, "whole 32-column groups per warpgroup");
+    // g and u of two groups in flight at a time: with all eight groups of a 64 x 256 share
+    // loaded up front the 232-register consumers spilled 164 bytes (ptxas), with four 16.
+    constexpr int kLoadGroups = kGroups < 2 ? kGroups : 2;
+    static_assert(kGroups % kLoadGroups == 0, "whole load batches");
     const int H = p.n_dim;
     const int lane_col = 8 * (threadIdx.x % 4);
     // Both of the thread's rows' pair ids and routing weights first: loaded with each row,
@@ -340,64 +344,69 @@ struct SwiGluBackward {
       // H reads the row's last live group, an unrouted row its own z row (it exists), and the
       // values are selected away below. (Loads predicated into registers that otherwise hold 0
       // made ptxas wait for each load before issuing the next: 16 round trips a row.)
-      uint4 g[kGroups], u[kGroups];
-#pragma unroll
-      for (int a = 0; a < kGroups; ++a) {
-        const int col = min(col0 + 32 * a + lane_col, H - 8);
-        g[a] = *reinterpret_cast<const uint4*>(z + col);
-        u[a] = *reinterpret_cast<const uint4*>(z + H + col);
-      }
-      // With overwrite_z, dz's stores below hit z words a clamped load of another lane read:
-      // the barrier orders every lane's loads of the row before any lane's stores.
-      __syncwarp();
       float ds = 0.f;
 #pragma unroll
-      for (int a = 0; a < kGroups; ++a) {
-        const int col = col0 + 32 * a + lane_col;
-        const bool live = routed && col < H;  // col >= H: partial last n tile
-        // dh' of columns 8q + 2t (d0) and 8q + 2t + 1 (d1) into slot t of lane q. An unrouted
-        // row's dh' is selected to 0, never multiplied: a skipped half's accumulators hold
-        // anything.
-        uint32_t d0[4], d1[4];
+      for (int a0 = 0; a0 < kGroups; a0 += kLoadGroups) {
+        uint4 g[kLoadGroups], u[kLoadGroups];
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const int j = 4 * a + t;
-          d0[t] = routed ? __float_as_uint(wgmma_acc_at(acc, 4 * j + 2 * i)) : 0u;
-          d1[t] = routed ? __float_as_uint(wgmma_acc_at(acc, 4 * j + 2 * i + 1)) : 0u;
+        for (int a = 0; a < kLoadGroups; ++a) {
+          const int col = min(col0 + 32 * (a0 + a) + lane_col, H - 8);
+          g[a] = *reinterpret_cast<const uint4*>(z + col);
+          u[a] = *reinterpret_cast<const uint4*>(z + H + col);
         }
-        quad_transpose(d0);
-        quad_transpose(d1);
-        const uint32_t gw[4] = {g[a].x, g[a].y, g[a].z, g[a].w};
-        const uint32_t uw[4] = {u[a].x, u[a].y, u[a].z, u[a].w};
-        uint32_t dg[4], du[4], y[4];
+        // With overwrite_z, dz's stores below hit z words a clamped load of another lane read:
+        // the barrier orders every lane's loads of the row before any lane's stores.
+        __syncwarp();
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          // No branch: every element is computed, so ptxas interleaves their MUFU chains. A
-          // dead element has g = u = 0, so h = 0; in an unrouted row s = dh' = 0 as well, so
-          // its dz and y1s are +0 exactly, as the weight gradients (which read the row as a K
-          // row) need; past H, dh' is 0 (TMA zero-fills w2's columns) and nothing is stored.
-          const float2 gf = __bfloat1622float2(bit_cast_bf162(live ? gw[t] : 0u));
-          const float2 uf = __bfloat1622float2(bit_cast_bf162(live ? uw[t] : 0u));
-          const float dh0 = __uint_as_float(d0[t]), dh1 = __uint_as_float(d1[t]);
-          const float sig0 = sigmoid_approx(gf.x), sig1 = sigmoid_approx(gf.y);
-          const float silu0 = gf.x * sig0, silu1 = gf.y * sig1;
-          const float h0 = silu0 * uf.x, h1 = silu1 * uf.y;
-          ds += dh0 * h0 + dh1 * h1;
-          const float sd0 = s[i] * dh0, sd1 = s[i] * dh1;
-          // silu'(g) = sig (1 + g (1 - sig)) = sig + silu - silu sig
-          dg[t] =
-              bf162_bits(__floats2bfloat162_rn(sd0 * uf.x * (sig0 + fmaf(-silu0, sig0, silu0)),
-                                               sd1 * uf.y * (sig1 + fmaf(-silu1, sig1, silu1))));
-          du[t] = bf162_bits(__floats2bfloat162_rn(sd0 * silu0, sd1 * silu1));
-          y[t] = bf162_bits(__floats2bfloat162_rn(s[i] * h0, s[i] * h1));
+        for (int a = 0; a < kLoadGroups; ++a) {
+          const int col = col0 + 32 * (a0 + a) + lane_col;
+          const bool live = routed && col < H;  // col >= H: partial last n tile
+          // dh' of columns 8q + 2t (d0) and 8q + 2t + 1 (d1) into slot t of lane q. An unrouted
+          // row's dh' is selected to 0, never multiplied: a skipped half's accumulators hold
+          // anything.
+          uint32_t d0[4], d1[4];
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            const int j = 4 * (a0 + a) + t;
+            d0[t] = routed ? __float_as_uint(wgmma_acc_at(acc, 4 * j + 2 * i)) : 0u;
+            d1[t] = routed ? __float_as_uint(wgmma_acc_at(acc, 4 * j + 2 * i + 1)) : 0u;
+          }
+          quad_transpose(d0);
+          quad_transpose(d1);
+          const uint32_t gw[4] = {g[a].x, g[a].y, g[a].z, g[a].w};
+          const uint32_t uw[4] = {u[a].x, u[a].y, u[a].z, u[a].w};
+          uint32_t dg[4], du[4], y[4];
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            // No branch: every element is computed, so ptxas interleaves their MUFU chains. A
+            // dead element has g = u = 0, so h = 0; in an unrouted row s = dh' = 0 as well, so
+            // its dz and y1s are +0 exactly, as the weight gradients (which read the row as a K
+            // row) need; past H, dh' is 0 (TMA zero-fills w2's columns) and nothing is stored.
+            const float2 gf = __bfloat1622float2(bit_cast_bf162(live ? gw[t] : 0u));
+            const float2 uf = __bfloat1622float2(bit_cast_bf162(live ? uw[t] : 0u));
+            const float dh0 = __uint_as_float(d0[t]), dh1 = __uint_as_float(d1[t]);
+            const float sig0 = sigmoid_approx(gf.x), sig1 = sigmoid_approx(gf.y);
+            const float silu0 = gf.x * sig0, silu1 = gf.y * sig1;
+            const float h0 = silu0 * uf.x, h1 = silu1 * uf.y;
+            ds += dh0 * h0 + dh1 * h1;
+            const float sd0 = s[i] * dh0, sd1 = s[i] * dh1;
+            // silu'(g) = sig (1 + g (1 - sig)) = sig + silu - silu sig
+            dg[t] =
+                bf162_bits(__floats2bfloat162_rn(sd0 * uf.x * (sig0 + fmaf(-silu0, sig0, silu0)),
+                                                 sd1 * uf.y * (sig1 + fmaf(-silu1, sig1, silu1))));
+            du[t] = bf162_bits(__floats2bfloat162_rn(sd0 * silu0, sd1 * silu1));
+            y[t] = bf162_bits(__floats2bfloat162_rn(s[i] * h0, s[i] * h1));
+          }
+          if (col >= H) continue;
+          if (p.out != nullptr) {
+            *reinterpret_cast<uint4*>(dz + col) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+            *reinterpret_cast<uint4*>(dz + H + col) = make_uint4(du[0], du[1], du[2], du[3]);
+          }
+          if (p.y1s != nullptr)
+            *reinterpret_cast<uint4*>(y1s + col) = make_uint4(y[0], y[1], y[2], y[3]);
         }
-        if (col >= H) continue;
-        if (p.out != nullptr) {
-          *reinterpret_cast<uint4*>(dz + col) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
-          *reinterpret_cast<uint4*>(dz + H + col) = make_uint4(du[0], du[1], du[2], du[3]);
-        }
-        if (p.y1s != nullptr)
-          *reinterpret_cast<uint4*>(y1s + col) = make_uint4(y[0], y[1], y[2], y[3]);
+        // The next batch's clamped loads may read this batch's dz words.
+        if (a0 + kLoadGroups < kGroups) __syncwarp();
       }
       // The row's columns are spread over the 4 lanes of a quad: a fixed butterfly, so the
       // sum's order is the same on every run.
