@@ -416,7 +416,7 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
     gate_up.b_scales = weights.w_scales;
 
     err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_h, ws.h, uint64_t(pr.max_padded), H,
-                                                uint32_t(pr.block_m));
+                                                kTmaRowsBoxRows);
     if (err != cudaSuccess) return err;
     MoeGemmParams down = g;
     down.out = c.split ? ws.y : pr.out;

@@ -255,11 +255,11 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
     return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_w_t, pr.w, uint64_t(E) * 2 * H, D, 64)) != cudaSuccess)
     return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_rows, sc.rows, rows, D, WideTile::kBlockM)) !=
+  if ((err = make_tma_2d_bf16_sw128(&tmap_dos_rows, sc.rows, rows, D, kTmaRowsBoxRows)) !=
       cudaSuccess)
     return err;
   if ((err = make_tma_2d_bf16_sw128(&tmap_dos_k, sc.rows, rows, D, 64)) != cudaSuccess) return err;
-  if ((err = make_tma_2d_bf16_sw128(&tmap_dz_rows, ws.dz, rows, 2 * H, WideTile::kBlockM)) !=
+  if ((err = make_tma_2d_bf16_sw128(&tmap_dz_rows, ws.dz, rows, 2 * H, kTmaRowsBoxRows)) !=
       cudaSuccess)
     return err;
   if (pr.dw2 != nullptr)

@@ -206,25 +206,49 @@ struct GatherTokenRows {
   }
 };
 
-// The block's rows of a dense (max_padded, K) workspace by TMA, K-major.
+// Rows of a TmaRows box: the host makes TmaRows' tensor maps with this many rows.
+constexpr int kTmaRowsBoxRows = 64;
+
+// The block's rows of a dense (max_padded, K) workspace by TMA, K-major, in 64-row boxes: a
+// 128-row block whose upper half holds no routed pair copies only its lower half (moe_align puts
+// an expert's rows first in its blocks, and the upper half's consumer passes such a tile without
+// a wgmma, moe_gemm.cuh). At decode sizes that is most blocks, and the padding rows had been
+// most of the down GEMM's traffic from L2: per K step 16 KB of h rows (a 128-row block of a few
+// tokens) beside 16 KB of w2 (block_n = 64). tile_tma_bytes says what a stage of the tile expects.
 template <class Tile>
 struct TmaRows : TmaLoader {
   using Layout = prime_kernels::SmemKMajor;
-  static constexpr uint32_t kTmaBytes = Tile::kABytes;
+  static constexpr int kBoxes = Tile::kBlockM / kTmaRowsBoxRows;
+  static constexpr uint32_t kBoxBytes = kTmaRowsBoxRows * Tile::kBlockK * 2;
+  static constexpr uint32_t kTmaBytes = Tile::kABytes;  // at most
+  static_assert(Tile::kBlockM % kTmaRowsBoxRows == 0, "whole 64-row boxes");
 
   int row0 = 0;
+  int boxes = kBoxes;
 
   using TmaLoader::TmaLoader;
 
-  __device__ __forceinline__ void start_tile(const MoeGemmParams& /*p*/, int /*npp*/,
+  __device__ __forceinline__ void start_tile(const MoeGemmParams& p, int npp,
                                              const MoeWorkTile& w) {
     row0 = w.row0;
+    boxes = kBoxes;
+    // Rows past the first routed-free row are padding in moe_align's layout; with any other
+    // routing the upper consumer may multiply a stale half (wrong values for invalid input,
+    // nothing read or written out of bounds).
+    if constexpr (kBoxes == 2)
+      if (routed_pair(p, npp, w.row0 + kTmaRowsBoxRows) < 0) boxes = 1;
   }
+
+  __device__ __forceinline__ uint32_t tile_tma_bytes() const { return boxes * kBoxBytes; }
 
   __device__ __forceinline__ void load(const MoeGemmParams& /*p*/, const CUtensorMap* map,
                                        uint8_t* smem_a, uint64_t* full, int kb) const {
     using namespace prime_kernels;
-    tma_load_2d(smem_addr(smem_a), map, smem_addr(full), kb * Tile::kBlockK, row0);
+#pragma unroll
+    for (int box = 0; box < kBoxes; ++box)
+      if (box < boxes)
+        tma_load_2d(smem_addr(smem_a) + box * kBoxBytes, map, smem_addr(full), kb * Tile::kBlockK,
+                    row0 + box * kTmaRowsBoxRows);
   }
 };
 

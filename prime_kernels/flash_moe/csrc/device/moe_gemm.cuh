@@ -90,7 +90,6 @@ struct MoeGemm {
   static constexpr int kProducerRegs = kClusterM > 1 && kLoaderRegs < 40 ? 40 : kLoaderRegs;
   static constexpr int kConsumerRegs = ((kThreads / 128 * 168 - kProducerRegs) / 2) / 8 * 8;
   static constexpr uint32_t kFullArrivals = 1 + ALoad::kFullArrivals + BLoad::kFullArrivals;
-  static constexpr uint32_t kStageTmaBytes = ALoad::kTmaBytes + BLoad::kTmaBytes;
   // Every consumer thread arrives; in a cluster one lane per consumer warp of each CTA
   // (StageRing::consumer_release_cluster).
   static constexpr uint32_t kEmptyArrivals = kClusterM == 1
@@ -141,6 +140,20 @@ struct ConsumerTurns {
     prime_kernels::mbarrier_arrive(&turn[consumer ^ 1]);
   }
 };
+
+// The TMA bytes a stage of the loader's current tile brings: its tile_tma_bytes() where it
+// has one (TmaRows copies only the halves of a block that hold routed rows), else kTmaBytes.
+template <class Load, class = void>
+struct HasTileTmaBytes : std::false_type {};
+template <class Load>
+struct HasTileTmaBytes<Load, std::void_t<decltype(&Load::tile_tma_bytes)>> : std::true_type {};
+template <class Load>
+__device__ __forceinline__ uint32_t tile_tma_bytes(const Load& load) {
+  if constexpr (HasTileTmaBytes<Load>::value)
+    return load.tile_tma_bytes();
+  else
+    return Load::kTmaBytes;
+}
 
 // B loaders that can split their tile take the cluster's BoxShare; the others copy it whole.
 template <class BLoad>
@@ -235,7 +248,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
             }
           }
           // The partner's half of a shared B tile lands on this barrier too.
-          if (tid == 0) mbarrier_arrive_expect_tx(full, Kernel::kStageTmaBytes);
+          if (tid == 0)
+            mbarrier_arrive_expect_tx(full, tile_tma_bytes(a_load) + tile_tma_bytes(b_load));
           // TMA (one thread) before the gathers, so thread 0's copies are not queued behind
           // its share of a gather.
           if constexpr (ALoad::kThreads <= BLoad::kThreads) {
