@@ -212,9 +212,9 @@ constexpr int kTmaRowsBoxRows = 64;
 // The block's rows of a dense (max_padded, K) workspace by TMA, K-major, in 64-row boxes: a
 // 128-row block whose upper half holds no routed pair copies only its lower half (moe_align puts
 // an expert's rows first in its blocks, and the upper half's consumer passes such a tile without
-// a wgmma, moe_gemm.cuh). At decode sizes that is most blocks, and the padding rows had been
-// most of the down GEMM's traffic from L2: per K step 16 KB of h rows (a 128-row block of a few
-// tokens) beside 16 KB of w2 (block_n = 64). tile_tma_bytes says what a stage of the tile expects.
+// a wgmma, moe_gemm.cuh). At decode sizes that is most blocks: the down GEMM read 16 KB of h rows
+// per K step (a 128-row block of a few tokens) beside 16 KB of w2 (block_n = 64) from L2, and
+// now 8. tile_tma_bytes says what a stage of the tile expects.
 template <class Tile>
 struct TmaRows : TmaLoader {
   using Layout = prime_kernels::SmemKMajor;
