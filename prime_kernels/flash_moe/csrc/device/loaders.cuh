@@ -211,10 +211,15 @@ constexpr int kTmaRowsBoxRows = 64;
 
 // The block's rows of a dense (max_padded, K) workspace by TMA, K-major, in 64-row boxes: a
 // 128-row block whose upper half holds no routed pair copies only its lower half (moe_align puts
-// an expert's rows first in its blocks, and the upper half's consumer passes such a tile without
-// a wgmma, moe_gemm.cuh). At decode sizes that is most blocks: the down GEMM read 16 KB of h rows
-// per K step (a 128-row block of a few tokens) beside 16 KB of w2 (block_n = 64) from L2, and
-// now 8. tile_tma_bytes says what a stage of the tile expects.
+// an expert's rows first in its blocks). At decode sizes that is most blocks: the down GEMM read
+// 16 KB of h rows per K step (a 128-row block of a few tokens) beside 16 KB of w2 (block_n = 64)
+// from L2, and now 8. tile_tma_bytes says what a stage of the tile expects.
+// The uncopied half holds whatever the stage held before. A cooperative consumer passes such a
+// half without a wgmma (moe_gemm.cuh); a ping-pong warpgroup (both halves) and the register-A
+// consumers (the half's tokens as wgmma columns) multiply it into output rows of padding only,
+// which nothing reads: the combine reads y by pair_to_row, WeightedAtomicAdd drops unrouted rows
+// (as the h padding rows of a skipped gate/up half were never written before). An epilogue that
+// reduces across rows, or a reader of padding output rows, would have to zero them first.
 template <class Tile>
 struct TmaRows : TmaLoader {
   using Layout = prime_kernels::SmemKMajor;

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "epilogues.cuh"
 #include "loaders.cuh"
@@ -146,7 +147,8 @@ struct ConsumerTurns {
 template <class Load, class = void>
 struct HasTileTmaBytes : std::false_type {};
 template <class Load>
-struct HasTileTmaBytes<Load, std::void_t<decltype(&Load::tile_tma_bytes)>> : std::true_type {};
+struct HasTileTmaBytes<Load, std::void_t<decltype(std::declval<const Load&>().tile_tma_bytes())>>
+    : std::true_type {};
 template <class Load>
 __device__ __forceinline__ uint32_t tile_tma_bytes(const Load& load) {
   if constexpr (HasTileTmaBytes<Load>::value)
