@@ -194,6 +194,27 @@ def test_poisoned_workspace(flash_moe, seed, split, block_m):
     check(flash_moe, inputs, split=split, block_m=block_m)
 
 
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_every_wgmma_n_of_a_block(flash_moe, seed, split, block_m):
+    """A register-A tile multiplies only the first 16, 32, 64 or block_m token rows of its
+    block, the fewest that cover its routed rows; the rest of the block's h rows are left
+    unwritten. Experts with 1, 16, 17, 32, 33, 64, 65 and 128 + 5 tokens put a block's last
+    routed row at each side of every boundary, over a NaN-poisoned workspace; no NaN may reach
+    out and every token must match the emulation."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = [1, 16, 17, 32, 33, 64, 65, 133]
+    E, T = len(counts), sum(counts)
+    x, w, w2, _, _ = make_inputs(T, 256, 128, E, 1, "uniform", generator)
+    ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    ids = ids[torch.randperm(T, generator=generator)].to(torch.int32).view(T, 1).cuda()
+    weights = torch.rand(T, 1, generator=generator).add(0.5).cuda()
+    torch.cuda.synchronize()
+    poison = torch.full((64 << 20,), 0x7FC07FC0, dtype=torch.int32, device="cuda")
+    del poison
+    check(flash_moe, (x, w, w2, ids, weights), split=split, block_m=block_m)
+
+
 def test_split_is_bitwise_deterministic(flash_moe, seed):
     generator = torch.Generator().manual_seed(seed)
     x, w, w2, ids, weights = make_inputs(4096, 1024, 512, 32, 8, "zipf", generator)

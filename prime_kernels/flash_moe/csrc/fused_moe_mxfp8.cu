@@ -13,8 +13,10 @@
 // 33 KB at 128 x (128 + 128)). The epilogues take the transposed accumulators (SwiGluToMxfp8,
 // StoreRows, WeightedAtomicAdd::store_transposed). Every instantiated tile runs this path. On
 // the H200 at Qwen3-30B-A3B T = 32768 it runs at 0.55-0.63x of the bf16 forward in two runs
-// (the previous path: ~0.50x). At decode sizes the block's 128 token rows are wgmma's N in full,
-// padding included: by arithmetic, more tensor time than the fp8 stream takes at T = 64.
+// (the previous path: ~0.50x). A tile's wgmmas multiply only the first 16, 32, 64 or 128 token
+// rows of its block, the fewest that cover its routed rows (tile_tokens, moe_gemm.cuh): at decode
+// sizes a block is a few tokens and then padding, and all 128 rows had cost more tensor time than
+// the fp8 stream takes at T = 64 (by arithmetic).
 #include "fused_moe_mxfp8.h"
 
 #include <string>

@@ -267,16 +267,54 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[4]) {
 }
 
 template <int kTransB>
+struct WgmmaBf16RS<16, kTransB> : WgmmaBf16K16 {
+  static constexpr int kAccRegs = 8;
+  template <int kRegs>
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], const uint32_t (&a)[4],
+                                             uint64_t desc_b, int scale_d) {
+    static_assert(kRegs >= kAccRegs, "the accumulators' first kAccRegs registers");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, %14;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+  }
+};
+
+template <int kTransB>
+struct WgmmaBf16RS<32, kTransB> : WgmmaBf16K16 {
+  static constexpr int kAccRegs = 16;
+  template <int kRegs>
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], const uint32_t (&a)[4],
+                                             uint64_t desc_b, int scale_d) {
+    static_assert(kRegs >= kAccRegs, "the accumulators' first kAccRegs registers");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, "
+        "%17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+  }
+};
+
+template <int kTransB>
 struct WgmmaBf16RS<64, kTransB> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 32;
-  __device__ __forceinline__ static void mma(float (&d)[32], const uint32_t (&a)[4],
+  template <int kRegs>
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], const uint32_t (&a)[4],
                                              uint64_t desc_b, int scale_d) {
+    static_assert(kRegs >= kAccRegs, "the accumulators' first kAccRegs registers");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, "
-        "%36, p, 1, 1, %38;\n}\n"
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+        "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, "
+        "%33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -289,16 +327,18 @@ struct WgmmaBf16RS<64, kTransB> : WgmmaBf16K16 {
 template <int kTransB>
 struct WgmmaBf16RS<128, kTransB> : WgmmaBf16K16 {
   static constexpr int kAccRegs = 64;
-  __device__ __forceinline__ static void mma(float (&d)[64], const uint32_t (&a)[4],
+  template <int kRegs>
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], const uint32_t (&a)[4],
                                              uint64_t desc_b, int scale_d) {
+    static_assert(kRegs >= kAccRegs, "the accumulators' first kAccRegs registers");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, "
-        "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
-        "%55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, "
-        "%70;\n}\n"
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+        "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
+        "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
+        "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, "
+        "%65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),

@@ -195,15 +195,17 @@ struct StoreRows {
   }
 
   // Register-A accumulators (acc[mh]: output columns col0 + 64 mh .., tokens row0 ..): a
-  // bf16x2 store per token and column pair (transposed_pair).
+  // bf16x2 store per token and column pair (transposed_pair), for the first n_tokens tokens
+  // (the ones the mainloop multiplied).
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int /*npp*/,
                                                           const float (&acc)[kMmas][kRegs],
                                                           const MoeWorkTile& /*w*/, int row0,
                                                           int col0, uint8_t* /*scratch*/,
-                                                          int /*barrier_id*/) {
+                                                          int /*barrier_id*/, int n_tokens) {
 #pragma unroll
     for (int j = 0; j < kRegs / 4; ++j) {
+      if (8 * j >= n_tokens) break;  // the warp's 8 tokens of step j
       __nv_bfloat16* dst = p.out + size_t(row0 + transposed_token(j)) * p.ld_out;
 #pragma unroll
       for (int mh = 0; mh < kMmas; ++mh) {
@@ -261,12 +263,14 @@ struct WeightedAtomicAdd {
                                                           const float (&acc)[kMmas][kRegs],
                                                           const MoeWorkTile& /*w*/, int row0,
                                                           int col0, uint8_t* /*scratch*/,
-                                                          int /*barrier_id*/) {
+                                                          int /*barrier_id*/, int n_tokens) {
     constexpr int kSteps = kRegs / 4;
     int pairs[kSteps];
     float weights[kSteps];
+    // Tokens past n_tokens were not multiplied (and have no pair): nothing to add.
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) pairs[j] = routed_pair(p, npp, row0 + transposed_token(j));
+    for (int j = 0; j < kSteps; ++j)
+      pairs[j] = 8 * j < n_tokens ? routed_pair(p, npp, row0 + transposed_token(j)) : -1;
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) weights[j] = pairs[j] >= 0 ? p.topk_weights[pairs[j]] : 0.0f;
 #pragma unroll

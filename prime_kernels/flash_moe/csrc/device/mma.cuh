@@ -135,13 +135,41 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
   // 128: 64 for the odd 64-row tiles, which sit in the upper half of a 128-row scale block).
   // Rows past the tile's scale blocks cannot occur: a tile of kBlockN <= 128 rows starting at
   // n0 % 128 in {0, 64} ends inside its 128-row block, a larger one starts at n0 % 128 = 0.
+  // n_tokens: the tokens wgmma multiplies, a multiple of 16 that covers every routed row of the
+  // tile (tile_tokens, moe_gemm.cuh); the accumulators of the tokens past it are left as they
+  // were (a non-wgmma write to them would serialize every wgmma, C7515), and the epilogues skip
+  // them.
   template <class Issued>
   __device__ __forceinline__ static void run(Accumulators& acc,
                                              const prime_kernels::StageRing& ring,
                                              prime_kernels::RingState& rs, uint8_t* smem_a,
                                              uint8_t* smem_b, int token_offset, int row_offset,
-                                             int scale_row0, int num_k_blocks, Issued&& issued) {
+                                             int scale_row0, int num_k_blocks, int n_tokens,
+                                             Issued&& issued) {
+    using prime_kernels::WgmmaBf16RS;
+    if (n_tokens <= 16)
+      run_n<WgmmaBf16RS<16, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
+                                              row_offset, scale_row0, num_k_blocks, issued);
+    else if (n_tokens <= 32)
+      run_n<WgmmaBf16RS<32, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
+                                              row_offset, scale_row0, num_k_blocks, issued);
+    else if (Mma::kAccRegs > 32 && n_tokens <= 64)
+      run_n<WgmmaBf16RS<64, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
+                                              row_offset, scale_row0, num_k_blocks, issued);
+    else
+      run_n<Mma>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0, num_k_blocks,
+                 issued);
+  }
+
+  // The K loop with wgmma N = MmaN's (at most Mma's: the accumulators' first registers).
+  template <class MmaN, class Issued>
+  __device__ __forceinline__ static void run_n(Accumulators& acc,
+                                               const prime_kernels::StageRing& ring,
+                                               prime_kernels::RingState& rs, uint8_t* smem_a,
+                                               uint8_t* smem_b, int token_offset, int row_offset,
+                                               int scale_row0, int num_k_blocks, Issued& issued) {
     using namespace prime_kernels;
+    static_assert(MmaN::kAccRegs <= Mma::kAccRegs, "a prefix of the tile's tokens");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int g = lane / 4, q = lane % 4;
     // Byte offsets in the stage's B buffer of the thread's fragment rows r0 (i = 0) and r1
@@ -219,7 +247,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
         wgmma_fence();
 #pragma unroll
         for (int mh = 0; mh < kMmaM; ++mh)
-          Mma::mma(acc[mh], frag[buf][mh], desc_b + ALayout::kDescPerK16 * kk, (kb | kk) != 0);
+          MmaN::mma(acc[mh], frag[buf][mh], desc_b + ALayout::kDescPerK16 * kk, (kb | kk) != 0);
         wgmma_commit();
         if (kk + 1 < kSteps) load_raw(kk + 1);
         wgmma_wait<1>();

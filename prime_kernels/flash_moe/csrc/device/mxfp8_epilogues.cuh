@@ -10,7 +10,8 @@
 //
 // It takes the register-A GEMM's transposed accumulators (store_transposed). The consumer's
 // columns start on a multiple of 32 (block_n and its halves are), and so does H, so a block is
-// never split. Padding rows hold zeros, as in SwiGluToH.
+// never split. Padding rows among the tile's first n_tokens hold zeros, as in SwiGluToH; rows
+// past them are not written (the down GEMM's tile of the same block does not multiply them).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -47,7 +48,7 @@ struct SwiGluToMxfp8 {
                                                           const float (&acc)[kMmas][kRegs],
                                                           const MoeWorkTile& /*w*/, int row0,
                                                           int col0, uint8_t* scratch,
-                                                          int barrier_id) {
+                                                          int barrier_id, int n_tokens) {
     using namespace prime_kernels;
     static_assert(kMmas == 1 || kMmas == 2, "interleaved gate/up rows, or a gate and an up block");
     constexpr bool kInterleaved = kMmas == 1;
@@ -98,6 +99,7 @@ struct SwiGluToMxfp8 {
     named_barrier_sync(barrier_id, 128);  // read: the next tile may write the scratch
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
+      if (8 * j >= n_tokens) break;  // tokens the mainloop did not multiply: not stored
       const uint32_t exp = (e[j / 4] >> (8 * (j % 4))) & 0xFF;
       const bool bad = exp == 0xFF;
       const int s = max(int(exp) - 8, 0);  // exp <= 254: s <= 246
