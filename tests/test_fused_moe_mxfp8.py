@@ -14,6 +14,7 @@ import torch
 
 from prime_kernels.flash_moe import mxfp8, reference
 
+from .poison import poison_allocator
 from .test_fused_moe_bf16 import CASES, make_inputs
 
 pytestmark = pytest.mark.gpu
@@ -188,9 +189,7 @@ def test_poisoned_workspace(flash_moe, seed, split, block_m):
     unwritten: fill its free memory with NaN first; no NaN may reach out."""
     generator = torch.Generator().manual_seed(seed)
     inputs = make_inputs(1000, 512, 256, 16, 4, "zipf", generator)
-    torch.cuda.synchronize()
-    poison = torch.full((64 << 20,), 0x7FC07FC0, dtype=torch.int32, device="cuda")
-    del poison
+    poison_allocator()
     check(flash_moe, inputs, split=split, block_m=block_m)
 
 
@@ -209,9 +208,7 @@ def test_every_wgmma_n_of_a_block(flash_moe, seed, split, block_m):
     ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
     ids = ids[torch.randperm(T, generator=generator)].to(torch.int32).view(T, 1).cuda()
     weights = torch.rand(T, 1, generator=generator).add(0.5).cuda()
-    torch.cuda.synchronize()
-    poison = torch.full((64 << 20,), 0x7FC07FC0, dtype=torch.int32, device="cuda")
-    del poison
+    poison_allocator()
     check(flash_moe, (x, w, w2, ids, weights), split=split, block_m=block_m)
 
 

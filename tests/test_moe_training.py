@@ -17,6 +17,7 @@ import torch
 
 from prime_kernels.flash_moe import reference
 
+from .poison import poison_allocator
 from .test_moe_align import make_ids
 
 pytestmark = pytest.mark.gpu
@@ -27,21 +28,6 @@ EPS = 1e-6  # absolute slack of the ratio bar (errors that are all but zero on b
 
 GRAD_NAMES = ("dx", "dw", "dw2", "dtopk_weights")
 ALL = (True, True, True, True)  # which of x, w, w2, topk_weights require grad
-
-NAN_BF16_PAIRS = 0x7FC07FC0  # two bf16 NaNs per int32, a float32 NaN, a huge int32
-
-
-def poison_allocator(large_bytes: int = 256 << 20, small_blocks: int = 64) -> None:
-    """Leaves the caching allocator's free blocks full of NaN: one large block (the large
-    pool, > 1 MiB requests) and ``small_blocks`` 1 MiB blocks (the small pool, which serves
-    requests up to 1 MiB: pair_to_row, dtopk_weights and small workspaces come from there)."""
-    torch.cuda.synchronize()
-    large = torch.full((large_bytes // 4,), NAN_BF16_PAIRS, dtype=torch.int32, device="cuda")
-    small = [
-        torch.full((1 << 18,), NAN_BF16_PAIRS, dtype=torch.int32, device="cuda")
-        for _ in range(small_blocks)
-    ]
-    del large, small
 
 
 def make_routing(kind, T, E, k, generator):

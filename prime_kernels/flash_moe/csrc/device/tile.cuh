@@ -131,7 +131,7 @@ struct MoeGemmTileRS {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpilogueBytes = 1024;
 
-  static_assert(kBlockM == 64 || kBlockM == 128, "tokens are one wgmma N of 32 to 128");
+  static_assert(kBlockM == 64 || kBlockM == 128, "a block's tokens are at most one wgmma N");
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "whole 64-row wgmma M");
   static_assert(kBlockN <= 128 || kBlockN % 128 == 0, "whole 128-row scale tiles");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
@@ -154,7 +154,9 @@ struct MoeGemmTileRS {
 //     fragment row slots r0 = 16 w + g and r0 + 8 read gate row h = 32 c + 8 w + g and up row h
 //     (the mainloop reads the rows by hand, so any row order is one of addresses): the
 //     accumulators' row half i = 0 is g, i = 1 is u of the same h, in the thread.
-// At most 2 x 64 accumulators a thread, as the bf16 tiles.
+// At most 2 x 64 accumulators a thread, as the bf16 tiles. A tile's wgmmas multiply only its first
+// 16, 32, 64 or kMmaN tokens (tile_tokens, moe_gemm.cuh): the registers of the tokens past those
+// hold an older tile's values: an epilogue stores, and reduces over, only the first n_tokens.
 //   m_offset: the warpgroup's first token row of the tile (0: its B rows are all the tokens);
 //   n_offset: its first output column (weight row inside each weight tile).
 template <class Tile, class ALayout_, class BLayout_>
