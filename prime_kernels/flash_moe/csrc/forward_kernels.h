@@ -213,16 +213,17 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
     // average: decode-sized T, where the blocks are mostly padding and the kernels stream
     // weights, and more, narrower tiles keep more of them in flight (H200, T = 64, all five
     // benchmark configs: 0.3-5% less time, Mixtral-8x7B 84% -> 88% of the copy rate; at T =
-    // 1024, 64 to 256 rows an expert, 64 costs up to 11%). Not for register-A (MXFP8) tiles:
-    // there the block's tokens are wgmma's N, multiplied in full however much is padding, so
-    // narrower weight tiles only add tiles (T = 64, two runs: Qwen3-30B-A3B 0.519 ms at 128
-    // against 0.600 at 64, Mixtral-8x7B 0.942 against 1.145). Real blocks are at most one
-    // partial block per routed expert plus T*k / block_m full ones.
+    // 1024, 64 to 256 rows an expert, 64 costs up to 11%). For register-A (MXFP8) tiles 64 is
+    // also the width whose gate/up tile cuts its wgmmas to the block's tokens (mma.cuh,
+    // kCutsTokens); while every tile multiplied all 128 token rows, 128 was faster (T = 64, two
+    // runs: Qwen3-30B-A3B 0.519 ms at 128 against 0.600 at 64, Mixtral-8x7B 0.942 against
+    // 1.145). Real blocks are at most one partial block per routed expert plus T*k / block_m
+    // full ones.
     const int64_t pairs = problem.num_tokens * problem.top_k;
     const int64_t routed = std::min(problem.num_experts, pairs);
     const int64_t blocks = std::min(problem.max_padded / block_m, routed + pairs / block_m);
     const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
-    const bool decode = !Weights::kRegisterA && pairs <= routed * kDecodeRowsPerExpert;
+    const bool decode = pairs <= routed * kDecodeRowsPerExpert;
     c.block_n =
         (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || decode) ? 64 : 128;
   }

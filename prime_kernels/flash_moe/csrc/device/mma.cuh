@@ -135,6 +135,12 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
   // 128: 64 for the odd 64-row tiles, which sit in the upper half of a 128-row scale block).
   // Rows past the tile's scale blocks cannot occur: a tile of kBlockN <= 128 rows starting at
   // n0 % 128 in {0, 64} ends inside its 128-row block, a larger one starts at n0 % 128 = 0.
+  // Whether the tile cuts its wgmmas' N to its tokens: not the gate/up tile with two m64 blocks
+  // of weight rows a warpgroup (block_n >= 128: 128 accumulators beside the SwiGLU's gate and
+  // up fragments), where a K loop per N spilled 100 bytes (ptxas); its decode-sized
+  // configurations take block_n = 64 instead (resolve_config).
+  static constexpr bool kCutsTokens = !(Tile::kNumB == 2 && kMmaM == 2);
+
   // n_tokens: the tokens wgmma multiplies, a multiple of 16 that covers every routed row of the
   // tile (tile_tokens, moe_gemm.cuh); the accumulators of the tokens past it are left as they
   // were (a non-wgmma write to them would serialize every wgmma, C7515), and the epilogues skip
@@ -147,7 +153,10 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
                                              int scale_row0, int num_k_blocks, int n_tokens,
                                              Issued&& issued) {
     using prime_kernels::WgmmaBf16RS;
-    if (n_tokens <= 16)
+    if (!kCutsTokens)
+      run_n<Mma>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0, num_k_blocks,
+                 issued);
+    else if (n_tokens <= 16)
       run_n<WgmmaBf16RS<16, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
                                               row_offset, scale_row0, num_k_blocks, issued);
     else if (n_tokens <= 32)

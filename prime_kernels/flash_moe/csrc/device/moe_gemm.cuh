@@ -338,7 +338,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
         // The accumulators are out^T: token rows row0 .. + kMmaN, output columns from col0; only
         // the first n_tokens are computed and stored.
         static_assert(Scheduler::kMGrouped, "register-A tiles are M-grouped");
-        const int n_tokens = has_work ? tile_tokens<kRows>(routed, tid % kRows, 1 + consumer) : 0;
+        const int n_tokens = !Mainloop::kCutsTokens ? kRows
+                             : has_work ? tile_tokens<kRows>(routed, tid % kRows, 1 + consumer)
+                                        : 0;
         if (has_work)
           Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.n0 % 128,
                         w.num_k_blocks, n_tokens, pass_turn);
