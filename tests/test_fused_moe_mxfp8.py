@@ -354,13 +354,16 @@ def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
             assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("block_n", [64, 128], ids=["interleaved", "gate-up-blocks"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_weight_blocks_off_the_fast_path(flash_moe, seed, split):
+def test_weight_blocks_off_the_fast_path(flash_moe, seed, split, block_n):
     """The register widening's slow path inside the kernel (csrc/device/mxfp8_fragment.cuh):
     weight blocks whose scale is past 134 (2^(s - 7) is no bf16: here 135 and 140, with
-    subnormal e4m3 values so the products stay moderate) and an e4m3 NaN byte under a finite
-    scale (mxfp8.py dequantizes it to NaN: every token routed to that expert is NaN). Against
-    the exact-MX emulation of the same bytes; the NaN pattern must match exactly."""
+    subnormal e4m3 values so the products stay moderate); and e4m3 NaN bytes under finite
+    scales, which the fast path widens to finite values and the epilogues turn into NaN rows
+    (mxfp8.py dequantizes them to NaN: every token routed to that expert is NaN), in a gate/up
+    row of both gate/up tile layouts and in a down row. Against the exact-MX emulation of the
+    same bytes; the NaN pattern must match exactly."""
     generator = torch.Generator().manual_seed(seed)
     T, D, H, E, k = 300, 256, 128, 8, 2
     x, w, w2, ids, weights = make_inputs(T, D, H, E, k, "uniform", generator)
@@ -374,6 +377,7 @@ def test_weight_blocks_off_the_fast_path(flash_moe, seed, split):
     wq[3, 5, 64:96], ws[3, 5, 2] = small[0], 140  # a gate row of expert 3
     w2q[1, 7, 32:64], w2s[1, 7, 1] = small[1], 135  # a down row of expert 1
     wq[5, H + 9, 40] = 0x7F  # an up row of expert 5: NaN byte, finite scale
+    w2q[6, 77, 100] = 0xFF  # a down row of expert 6: a negative NaN byte
     e4m3, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
     ws, w2s = ws.view(e8m0), w2s.view(e8m0)
     ops = (
@@ -384,7 +388,7 @@ def test_weight_blocks_off_the_fast_path(flash_moe, seed, split):
         w2q.view(e4m3),
         flash_moe.pack_scales_blocked(w2s),
     )
-    out = run_ours(flash_moe, ops, ids, weights, split=split)
+    out = run_ours(flash_moe, ops, ids, weights, split=split, block_n=block_n)
     emulated = emulate(ops, ws, w2s, ids, weights, split)
     nan_rows = torch.isnan(emulated).any(-1)
     assert nan_rows.any() and not nan_rows.all()

@@ -87,9 +87,17 @@ def pair_to_bf16x2_twin(two, scale):
         return f32_to_bf16_rne(lo) | (f32_to_bf16_rne(hi) << U32(16))
 
 
-def has_nan(lo, hi):
+def nan_bytes(lo, hi):
+    """e4m3_nan_bytes, masked to its meaningful bits (bit 7 of each byte)."""
     t = ((lo & U32(0x7F7F7F7F)) + U32(0x01010101)) | ((hi & U32(0x7F7F7F7F)) + U32(0x01010101))
-    return (t & U32(0x80808080)) != 0
+    return t & U32(0x80808080)
+
+
+def has_nan(lo, hi):
+    return nan_bytes(lo, hi) != 0
+
+
+ROW_NAN_BITS = (U32(0x00800080), U32(0x80008000))  # kNanBytesRow0, kNanBytesRow1
 
 
 def fragment_fast(lo, hi, s0, s1):
@@ -103,8 +111,9 @@ def fragment_fast(lo, hi, s0, s1):
 
 
 def fragment_twin(lo, hi, s0, s1):
-    """mxfp8_fragment: the fast path where it is exact, else the fp32 route."""
-    fast = (np.maximum(s0, s1) <= FAST_SCALE_MAX) & ~has_nan(lo, hi)
+    """mxfp8_fragment: the fast path where the scales allow it, else the fp32 route; and
+    e4m3_nan_bytes of the two words."""
+    fast = np.maximum(s0, s1) <= FAST_SCALE_MAX
     with np.errstate(over="ignore"):
         quick = fragment_fast(
             lo, hi, np.minimum(s0, FAST_SCALE_MAX), np.minimum(s1, FAST_SCALE_MAX)
@@ -116,7 +125,7 @@ def fragment_twin(lo, hi, s0, s1):
         pair_to_bf16x2_twin(byte_perm(hi, U32(0) * hi, 0x4420), sc0),
         pair_to_bf16x2_twin(byte_perm(hi, U32(0) * hi, 0x4431), sc1),
     ]
-    return [np.where(fast, q, s) for q, s in zip(quick, slow)]
+    return [np.where(fast, q, s) for q, s in zip(quick, slow)], nan_bytes(lo, hi)
 
 
 def all_inputs():
@@ -159,8 +168,7 @@ def expected_halves(r0, r1, s0, s1):
 
 
 def assert_same_bits(got, want, what):
-    nan_got = ((got & U32(0x7F80)) == U32(0x7F80)) & ((got & U32(0x7F)) != 0)
-    nan_want = ((want & U32(0x7F80)) == U32(0x7F80)) & ((want & U32(0x7F)) != 0)
+    nan_got, nan_want = is_bf16_nan(got), is_bf16_nan(want)
     bad = (nan_got != nan_want) | (~nan_want & (got != want))
     assert not bad.any(), (
         f"{what}: {int(bad.sum())} mismatches, first at {int(np.argmax(bad))}: "
@@ -168,12 +176,29 @@ def assert_same_bits(got, want, what):
     )
 
 
+def is_bf16_nan(h):
+    return ((h & U32(0x7F80)) == U32(0x7F80)) & ((h & U32(0x7F)) != 0)
+
+
 def check_fragments(convert):
+    """Every fragment half is mxfp8.py's dequantized value, bit for bit, except where that is
+    NaN: there the half is NaN (the slow path) or its row's NaN flag is set (the fast path
+    widens a NaN byte to a finite value; the epilogue makes the row NaN). A row's flag is set
+    exactly when one of its four bytes is an e4m3 NaN."""
     for slot, (lo, hi, s0, s1, r0, r1) in enumerate(all_inputs()):
-        got = convert(lo, hi, s0, s1)
-        for reg, (want_lo, want_hi) in enumerate(expected_halves(r0, r1, s0, s1)):
-            assert_same_bits(got[reg] & U32(0xFFFF), want_lo, f"slot {slot} a[{reg}] low half")
-            assert_same_bits(got[reg] >> U32(16), want_hi, f"slot {slot} a[{reg}] high half")
+        got, nan = convert(lo, hi, s0, s1)
+        for row, row_bytes in enumerate((r0, r1)):
+            byte_nan = np.any([(b & U32(0x7F)) == U32(0x7F) for b in row_bytes], axis=0)
+            flag = (nan & ROW_NAN_BITS[row]) != 0
+            assert (flag == byte_nan).all(), f"slot {slot}: row r{row}'s NaN flag"
+        for reg, halves in enumerate(expected_halves(r0, r1, s0, s1)):
+            flag = (nan & ROW_NAN_BITS[reg % 2]) != 0
+            for shift, want, what in zip((0, 16), halves, ("low", "high")):
+                half = (got[reg] >> U32(shift)) & U32(0xFFFF)
+                flagged = flag & is_bf16_nan(want)
+                assert_same_bits(
+                    np.where(flagged, want, half), want, f"slot {slot} a[{reg}] {what} half"
+                )
 
 
 def test_host_twin_matches_dequantize_everywhere():
@@ -213,7 +238,8 @@ __global__ void fragment_kernel(const uint32_t* in, uint32_t* out, int n) {
   const uint32_t lo = in[4 * i], hi = in[4 * i + 1], s0 = in[4 * i + 2], s1 = in[4 * i + 3];
   uint32_t a[4];
   prime_moe::mxfp8_fragment(lo, hi, s0, s1, a);
-  for (int r = 0; r < 4; ++r) out[4 * i + r] = a[r];
+  for (int r = 0; r < 4; ++r) out[5 * i + r] = a[r];
+  out[5 * i + 4] = prime_moe::e4m3_nan_bytes(lo, hi) & 0x80808080u;
 }
 
 void launch_fragments(const uint32_t* in, uint32_t* out, int n) {
@@ -225,7 +251,7 @@ WRAPPER = r"""
 #include <torch/extension.h>
 void launch_fragments(const uint32_t* in, uint32_t* out, int n);
 torch::Tensor fragments(torch::Tensor in) {
-  auto out = torch::empty_like(in);
+  auto out = torch::empty({in.size(0), 5}, in.options());
   launch_fragments(reinterpret_cast<const uint32_t*>(in.data_ptr()),
                    reinterpret_cast<uint32_t*>(out.data_ptr()), int(in.size(0)));
   return out;
@@ -264,6 +290,6 @@ def test_device_fragment_matches_dequantize_everywhere(tmp_path):
     def convert(lo, hi, s0, s1):
         packed = np.stack([lo, hi, s0, s1], axis=1).astype(U32).view(np.int32)
         out = module.fragments(torch.from_numpy(packed).cuda()).cpu().numpy().view(U32)
-        return [out[:, r] for r in range(4)]
+        return [out[:, r] for r in range(4)], out[:, 4]
 
     check_fragments(convert)

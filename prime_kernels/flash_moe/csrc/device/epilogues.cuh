@@ -105,9 +105,16 @@ __device__ __forceinline__ float2 transposed_pair(float c0, float c1) {
   const float other = __shfl_xor_sync(0xFFFFFFFFu, odd ? c0 : c1, 4);
   return odd ? make_float2(other, c1) : make_float2(c0, other);
 }
-template <int kRegs>
-__device__ __forceinline__ float2 transposed_pair(const float (&acc)[kRegs], int i, int j) {
-  return transposed_pair(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]);
+// An accumulator value, or NaN where its weight row held an e4m3 NaN byte (nan_rows: the
+// register-A mainloop's, bit 2 mh + i for row r_i of m64 block mh).
+__device__ __forceinline__ float nan_row_value(float v, uint32_t nan_rows, int mh, int i) {
+  return (nan_rows >> (2 * mh + i)) & 1u ? __int_as_float(0x7FC00000) : v;
+}
+template <int kMmas, int kRegs>
+__device__ __forceinline__ float2 transposed_pair(const float (&acc)[kMmas][kRegs],
+                                                  uint32_t nan_rows, int mh, int i, int j) {
+  return transposed_pair(nan_row_value(acc[mh][4 * j + 2 * i], nan_rows, mh, i),
+                         nan_row_value(acc[mh][4 * j + 2 * i + 1], nan_rows, mh, i));
 }
 
 template <bool kKeepZ>
@@ -200,6 +207,7 @@ struct StoreRows {
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int /*npp*/,
                                                           const float (&acc)[kMmas][kRegs],
+                                                          uint32_t nan_rows,
                                                           const MoeWorkTile& /*w*/, int row0,
                                                           int col0, uint8_t* /*scratch*/,
                                                           int /*barrier_id*/, int n_tokens) {
@@ -211,7 +219,7 @@ struct StoreRows {
       for (int mh = 0; mh < kMmas; ++mh) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const float2 v = transposed_pair(acc[mh], i, j);
+          const float2 v = transposed_pair(acc, nan_rows, mh, i, j);
           const int col = col0 + 64 * mh + transposed_column(i);
           if (col >= p.n_dim) continue;  // partial last n tile (D % block_n != 0)
           *reinterpret_cast<uint32_t*>(dst + col) = bf162_bits(__floats2bfloat162_rn(v.x, v.y));
@@ -261,6 +269,7 @@ struct WeightedAtomicAdd {
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int npp,
                                                           const float (&acc)[kMmas][kRegs],
+                                                          uint32_t nan_rows,
                                                           const MoeWorkTile& /*w*/, int row0,
                                                           int col0, uint8_t* /*scratch*/,
                                                           int /*barrier_id*/, int n_tokens) {
@@ -283,7 +292,7 @@ struct WeightedAtomicAdd {
       for (int mh = 0; mh < kMmas; ++mh) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const float2 v = transposed_pair(acc[mh], i, j);
+          const float2 v = transposed_pair(acc, nan_rows, mh, i, j);
           const int col = col0 + 64 * mh + transposed_column(i);
           if (!routed || col >= p.n_dim) continue;
           atomicAdd(reinterpret_cast<__nv_bfloat162*>(dst + col),

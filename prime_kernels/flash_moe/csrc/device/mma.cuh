@@ -144,39 +144,41 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
   // n_tokens: the tokens wgmma multiplies, a multiple of 16 that covers every routed row of the
   // tile (tile_tokens, moe_gemm.cuh); the accumulators of the tokens past it are left as they
   // were (a non-wgmma write to them would serialize every wgmma, C7515), and the epilogues skip
-  // them.
+  // them. Returns the tile's NaN rows: bit 2 mh + i set where the thread's weight row r_i of
+  // m64 block mh held an e4m3 NaN byte (mxfp8_fragment.cuh), whose outputs the epilogue makes
+  // NaN (the accumulators cannot be written here, for the same reason).
   template <class Issued>
-  __device__ __forceinline__ static void run(Accumulators& acc,
-                                             const prime_kernels::StageRing& ring,
-                                             prime_kernels::RingState& rs, uint8_t* smem_a,
-                                             uint8_t* smem_b, int token_offset, int row_offset,
-                                             int scale_row0, int num_k_blocks, int n_tokens,
-                                             Issued&& issued) {
+  __device__ __forceinline__ static uint32_t run(Accumulators& acc,
+                                                 const prime_kernels::StageRing& ring,
+                                                 prime_kernels::RingState& rs, uint8_t* smem_a,
+                                                 uint8_t* smem_b, int token_offset, int row_offset,
+                                                 int scale_row0, int num_k_blocks, int n_tokens,
+                                                 Issued&& issued) {
     using prime_kernels::WgmmaBf16RS;
     if (!kCutsTokens)
-      run_n<Mma>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0, num_k_blocks,
-                 issued);
-    else if (n_tokens <= 16)
-      run_n<WgmmaBf16RS<16, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
-                                              row_offset, scale_row0, num_k_blocks, issued);
-    else if (n_tokens <= 32)
-      run_n<WgmmaBf16RS<32, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
-                                              row_offset, scale_row0, num_k_blocks, issued);
-    else if (Mma::kAccRegs > 32 && n_tokens <= 64)
-      run_n<WgmmaBf16RS<64, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
-                                              row_offset, scale_row0, num_k_blocks, issued);
-    else
-      run_n<Mma>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0, num_k_blocks,
-                 issued);
+      return run_n<Mma>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0,
+                        num_k_blocks, issued);
+    if (n_tokens <= 16)
+      return run_n<WgmmaBf16RS<16, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
+                                                     row_offset, scale_row0, num_k_blocks, issued);
+    if (n_tokens <= 32)
+      return run_n<WgmmaBf16RS<32, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
+                                                     row_offset, scale_row0, num_k_blocks, issued);
+    if (Mma::kAccRegs > 32 && n_tokens <= 64)
+      return run_n<WgmmaBf16RS<64, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
+                                                     row_offset, scale_row0, num_k_blocks, issued);
+    return run_n<Mma>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0,
+                      num_k_blocks, issued);
   }
 
   // The K loop with wgmma N = MmaN's (at most Mma's: the accumulators' first registers).
   template <class MmaN, class Issued>
-  __device__ __forceinline__ static void run_n(Accumulators& acc,
-                                               const prime_kernels::StageRing& ring,
-                                               prime_kernels::RingState& rs, uint8_t* smem_a,
-                                               uint8_t* smem_b, int token_offset, int row_offset,
-                                               int scale_row0, int num_k_blocks, Issued& issued) {
+  __device__ __forceinline__ static uint32_t run_n(Accumulators& acc,
+                                                   const prime_kernels::StageRing& ring,
+                                                   prime_kernels::RingState& rs, uint8_t* smem_a,
+                                                   uint8_t* smem_b, int token_offset,
+                                                   int row_offset, int scale_row0, int num_k_blocks,
+                                                   Issued& issued) {
     using namespace prime_kernels;
     static_assert(MmaN::kAccRegs <= Mma::kAccRegs, "a prefix of the tile's tokens");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
@@ -202,6 +204,9 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
 #pragma unroll
     for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
     uint32_t frag[2][kMmaM][4];
+    // e4m3_nan_bytes of every fragment of the tile, m64 block mh's shifted right by mh: one
+    // register (one per block spilled in the gate/up tile with two m64 blocks a warpgroup).
+    uint32_t nan_bytes = 0;
     int prev_stage = 0;
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       ring.consumer_wait(rs);
@@ -209,18 +214,18 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
       const uint32_t weights = smem_addr(smem_b) + rs.stage * Tile::kBBytes;
       const uint64_t desc_b =
           ALayout::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128);
-      // The slice's two 32-blocks' scales of rows r0 and r1 (one 2-byte read each), their
+      // The slice's two 32-blocks' scales of rows r0 and r1 (one 2-byte read each) as their
       // bf16x2 multipliers and whether both are fast-path scales, once per slice.
-      uint32_t scales[kMmaM][2], fast[kMmaM][2][2];
+      uint32_t fast[kMmaM][2][2];
       bool scales_fast[kMmaM][2];
 #pragma unroll
       for (int mh = 0; mh < kMmaM; ++mh) {
-        scales[mh][0] = ld_shared_u16(weights + scale_at[mh][0] + 2 * (kb & 1));
-        scales[mh][1] = ld_shared_u16(weights + scale_at[mh][1] + 2 * (kb & 1));
+        const uint32_t scales0 = ld_shared_u16(weights + scale_at[mh][0] + 2 * (kb & 1));
+        const uint32_t scales1 = ld_shared_u16(weights + scale_at[mh][1] + 2 * (kb & 1));
 #pragma unroll
         for (int block = 0; block < 2; ++block) {
-          const uint32_t s0 = (scales[mh][0] >> (8 * block)) & 0xFF;
-          const uint32_t s1 = (scales[mh][1] >> (8 * block)) & 0xFF;
+          const uint32_t s0 = (scales0 >> (8 * block)) & 0xFF;
+          const uint32_t s1 = (scales1 >> (8 * block)) & 0xFF;
           fast[mh][block][0] = mxfp8_fast_scale_bf16x2(s0);
           fast[mh][block][1] = mxfp8_fast_scale_bf16x2(s1);
           scales_fast[mh][block] = max(s0, s1) <= kMxfp8FastScaleMax;
@@ -247,10 +252,9 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
         const int block = kk / 2;  // the step's 32-block: byte 0 or 1 of the scale reads
 #pragma unroll
         for (int mh = 0; mh < kMmaM; ++mh) {
-          const uint32_t s0 = (scales[mh][0] >> (8 * block)) & 0xFF;
-          const uint32_t s1 = (scales[mh][1] >> (8 * block)) & 0xFF;
-          mxfp8_fragment(raw[mh][0], raw[mh][1], s0, s1, fast[mh][block][0], fast[mh][block][1],
+          mxfp8_fragment(raw[mh][0], raw[mh][1], fast[mh][block][0], fast[mh][block][1],
                          scales_fast[mh][block], frag[buf][mh]);
+          nan_bytes |= (e4m3_nan_bytes(raw[mh][0], raw[mh][1]) & 0x80808080u) >> mh;
           wgmma_fence_operands(frag[buf][mh]);
         }
         wgmma_fence();
@@ -274,6 +278,13 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
     for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
     fence_proxy_async_shared();
     Base::release(ring, prev_stage);
+    uint32_t nan_rows = 0;
+#pragma unroll
+    for (int mh = 0; mh < kMmaM; ++mh) {
+      nan_rows |= uint32_t((nan_bytes & (kNanBytesRow0 >> mh)) != 0) << (2 * mh);
+      nan_rows |= uint32_t((nan_bytes & (kNanBytesRow1 >> mh)) != 0) << (2 * mh + 1);
+    }
+    return nan_rows;
   }
 };
 

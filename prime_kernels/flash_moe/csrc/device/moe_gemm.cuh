@@ -341,11 +341,12 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
         const int n_tokens = !Mainloop::kCutsTokens ? kRows
                              : has_work ? tile_tokens<kRows>(routed, tid % kRows, 1 + consumer)
                                         : 0;
-        if (has_work)
-          Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.n0 % 128,
-                        w.num_k_blocks, n_tokens, pass_turn);
+        const uint32_t nan_rows =
+            has_work ? Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.n0 % 128,
+                                     w.num_k_blocks, n_tokens, pass_turn)
+                     : 0u;
         if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
-        Kernel::Epilogue::store_transposed(p, sched.npp, acc, w, row0, col0,
+        Kernel::Epilogue::store_transposed(p, sched.npp, acc, nan_rows, w, row0, col0,
                                            smem_epilogue + consumer * (Tile::kEpilogueBytes / 2),
                                            1 + consumer, n_tokens);
       } else {

@@ -46,6 +46,7 @@ struct SwiGluToMxfp8 {
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int /*npp*/,
                                                           const float (&acc)[kMmas][kRegs],
+                                                          uint32_t nan_rows,
                                                           const MoeWorkTile& /*w*/, int row0,
                                                           int col0, uint8_t* scratch,
                                                           int barrier_id, int n_tokens) {
@@ -57,6 +58,12 @@ struct SwiGluToMxfp8 {
     constexpr int kWords = (kSteps + 3) / 4;       // exponent bytes of 4 steps a word
     static_assert(4 * 8 * kWords * 4 <= 512, "the warpgroup's 512 scratch bytes");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    // h is NaN where its gate or up weight row held an e4m3 NaN byte (nan_rows: interleaved,
+    // gate in row r0 and up in r1; else gate in block 0 and up in block 1, row i). Worked out
+    // once per tile: testing nan_rows per value kept it live and spilled the 128-wide tile.
+    bool nan_h[kHalves];
+#pragma unroll
+    for (int i = 0; i < kHalves; ++i) nan_h[i] = (nan_rows & (kInterleaved ? 3u : 5u << i)) != 0;
     float2 h[kSteps][kHalves];
     uint32_t e[kWords] = {};
 #pragma unroll
@@ -70,7 +77,7 @@ struct SwiGluToMxfp8 {
         for (int c = 0; c < 2; ++c) {
           const float g = kInterleaved ? acc[0][4 * j + c] : acc[0][4 * j + 2 * i + c];
           const float u = kInterleaved ? acc[0][4 * j + 2 + c] : acc[kMmas - 1][4 * j + 2 * i + c];
-          hc[c] = g / (1.0f + __expf(-g)) * u;
+          hc[c] = nan_h[i] ? __int_as_float(0x7FC00000) : g / (1.0f + __expf(-g)) * u;
         }
         h[j][i] = transposed_pair(hc[0], hc[1]);
         ej = max(ej, max((__float_as_uint(h[j][i].x) >> 23) & 0xFF,

@@ -19,11 +19,18 @@
 // where it rounds to nearest even like the fp32 route. 2^(s - 7) is a normal bf16 for s in
 // [0, 134] (exponent field 120 .. 254); the product cannot overflow there (448 x 2^7).
 //
-// Slow path (per thread, per fragment): a scale above 134 (2^(s - 7) overflows bf16), a NaN
-// scale (255: the whole block is NaN) or an e4m3 NaN byte (S.1111.111, which the bit move would
-// turn into the finite 1.875 x 2^-112) goes through today's exact fp32 route,
-// mxfp8_pair_to_bf16x2. Quantized data has NaN bytes only in NaN-scaled blocks and scales near
-// 2^8 only for values near 2^16, so the slow path is for the contract, not for speed.
+// Slow path (per thread, per fragment): a scale above 134 (2^(s - 7) overflows bf16) or a NaN
+// scale (255: the whole block is NaN) goes through the exact fp32 route, mxfp8_pair_to_bf16x2.
+// Quantized data has scales near 2^8 only for values near 2^16, so the slow path is for the
+// contract, not for speed. Which path a fragment takes is known from the scales alone, once per
+// stage, so the branch resolves off the conversion's dependent chain.
+//
+// An e4m3 NaN byte (S.1111.111) comes out of the fast path finite (the bit move makes it 1.875 x
+// 2^-112): the consumer collects NaN bytes with e4m3_nan_bytes as it goes, and the epilogue makes
+// the outputs of a weight row that held one NaN (a NaN weight makes every product of its row
+// NaN; mxfp8.py dequantizes the byte to NaN). Testing each fragment for NaN bytes to decide the
+// branch put the test and the branch's resolution on every k16 step's dependent chain (ncu,
+// benchmarks/RESULTS.md 2026-12-04).
 //
 // tests/test_mxfp8_fragment.py checks a host twin of these bit operations over every e4m3 byte
 // and scale byte against mxfp8.py on the CPU, and these device functions on the GPU.
@@ -74,30 +81,38 @@ __device__ __forceinline__ uint32_t bf16x2_mul_rn(uint32_t a, uint32_t b) {
   return d;
 }
 
-// Whether any byte of the two words is an e4m3 NaN (low 7 bits all ones): adding 1 to a byte's
-// low 7 bits carries into its bit 7 exactly then, and never into the next byte.
-__device__ __forceinline__ bool e4m3_has_nan(uint32_t lo, uint32_t hi) {
-  const uint32_t t = ((lo & 0x7F7F7F7Fu) + 0x01010101u) | ((hi & 0x7F7F7F7Fu) + 0x01010101u);
-  return (t & 0x80808080u) != 0;
+// Bit 7 of each byte set where that byte of lo or of hi is an e4m3 NaN (low 7 bits all ones:
+// adding 1 to them carries into bit 7 exactly then, and never into the next byte); other bits
+// are left to the caller's mask. With mxfp8_fragment_word's words, bits 7 and 23 are row r0's
+// bytes, bits 15 and 31 row r1's.
+__device__ __forceinline__ uint32_t e4m3_nan_bytes(uint32_t lo, uint32_t hi) {
+  return ((lo & 0x7F7F7F7Fu) + 0x01010101u) | ((hi & 0x7F7F7F7Fu) + 0x01010101u);
+}
+constexpr uint32_t kNanBytesRow0 = 0x00800080u;
+constexpr uint32_t kNanBytesRow1 = 0x80008000u;
+
+// The e8m0 scale back from its mxfp8_fast_scale_bf16x2 word (the low half's 9 bits from bit 7
+// hold s + 120 <= 375 for every s), so the mainloop keeps one register per scale, not two.
+__device__ __forceinline__ uint32_t mxfp8_scale_of_fast_word(uint32_t fast) {
+  return ((fast >> 7) & 0x1FFu) - 120u;
 }
 
 // The fragment's 4 bf16x2 registers from its two words (columns 2q, 2q + 1 and 2q + 8, 2q + 9;
-// mxfp8_fragment_word) and the e8m0 scales s0 (row r0) and s1 (row r1) of its 32-block.
-// fast0, fast1: mxfp8_fast_scale_bf16x2 of s0, s1, and scales_fast: both at most
-// kMxfp8FastScaleMax, worked out once per stage by the mainloop (a 32-block spans two k16
-// steps). One branch: the two conditions are combined without short-circuit, which would nest
-// two.
-__device__ __forceinline__ void mxfp8_fragment(uint32_t lo, uint32_t hi, uint32_t s0, uint32_t s1,
-                                               uint32_t fast0, uint32_t fast1, bool scales_fast,
-                                               uint32_t (&a)[4]) {
-  if (scales_fast & !e4m3_has_nan(lo, hi)) {
+// mxfp8_fragment_word) and the scales of its 32-block: fast0, fast1: mxfp8_fast_scale_bf16x2
+// of s0 (row r0) and s1 (row r1), and scales_fast: both at most kMxfp8FastScaleMax, worked out
+// once per stage by the mainloop (a 32-block spans two k16 steps). Exact for every byte that is
+// not an e4m3 NaN; a NaN byte is exact (NaN) only on the slow path (the header).
+__device__ __forceinline__ void mxfp8_fragment(uint32_t lo, uint32_t hi, uint32_t fast0,
+                                               uint32_t fast1, bool scales_fast, uint32_t (&a)[4]) {
+  if (scales_fast) {
     a[0] = bf16x2_mul_rn(e4m3_even_bytes_biased_bf16x2(lo), fast0);
     a[1] = bf16x2_mul_rn(e4m3_odd_bytes_biased_bf16x2(lo), fast1);
     a[2] = bf16x2_mul_rn(e4m3_even_bytes_biased_bf16x2(hi), fast0);
     a[3] = bf16x2_mul_rn(e4m3_odd_bytes_biased_bf16x2(hi), fast1);
   } else {
     // The even (odd) bytes as one 2-byte pair, low byte first, through the fp32 route.
-    const float scale0 = mxfp8_scale_value(s0), scale1 = mxfp8_scale_value(s1);
+    const float scale0 = mxfp8_scale_value(mxfp8_scale_of_fast_word(fast0));
+    const float scale1 = mxfp8_scale_value(mxfp8_scale_of_fast_word(fast1));
     a[0] = mxfp8_pair_to_bf16x2(__byte_perm(lo, 0, 0x4420), scale0);
     a[1] = mxfp8_pair_to_bf16x2(__byte_perm(lo, 0, 0x4431), scale1);
     a[2] = mxfp8_pair_to_bf16x2(__byte_perm(hi, 0, 0x4420), scale0);
@@ -108,7 +123,7 @@ __device__ __forceinline__ void mxfp8_fragment(uint32_t lo, uint32_t hi, uint32_
 // The same from the two words and scale bytes alone (the per-stage parts worked out here).
 __device__ __forceinline__ void mxfp8_fragment(uint32_t lo, uint32_t hi, uint32_t s0, uint32_t s1,
                                                uint32_t (&a)[4]) {
-  mxfp8_fragment(lo, hi, s0, s1, mxfp8_fast_scale_bf16x2(s0), mxfp8_fast_scale_bf16x2(s1),
+  mxfp8_fragment(lo, hi, mxfp8_fast_scale_bf16x2(s0), mxfp8_fast_scale_bf16x2(s1),
                  max(s0, s1) <= kMxfp8FastScaleMax, a);
 }
 
