@@ -214,6 +214,13 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
       const uint32_t weights = smem_addr(smem_b) + rs.stage * Tile::kBBytes;
       const uint64_t desc_b =
           ALayout::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128);
+      // Step kk's B descriptor: a 32-bit add to the start address field (it cannot carry out of
+      // it: shared memory addresses are below 2^18), which ptxas otherwise does in 64 bits,
+      // with a carry and one more move to uniform registers, in every k16 step.
+      const uint32_t desc_lo = uint32_t(desc_b), desc_hi = uint32_t(desc_b >> 32);
+      const auto desc_b_step = [&](int kk) {
+        return uint64_t(desc_hi) << 32 | uint32_t(desc_lo + ALayout::kDescPerK16 * kk);
+      };
       // The slice's two 32-blocks' scales of rows r0 and r1 (one 2-byte read each) as their
       // bf16x2 multipliers and whether both are fast-path scales, once per slice.
       uint32_t fast[kMmaM][2][2];
@@ -260,7 +267,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
         wgmma_fence();
 #pragma unroll
         for (int mh = 0; mh < kMmaM; ++mh)
-          MmaN::mma(acc[mh], frag[buf][mh], desc_b + ALayout::kDescPerK16 * kk, (kb | kk) != 0);
+          MmaN::mma(acc[mh], frag[buf][mh], desc_b_step(kk), (kb | kk) != 0);
         wgmma_commit();
         if (kk + 1 < kSteps) load_raw(kk + 1);
         wgmma_wait<1>();
