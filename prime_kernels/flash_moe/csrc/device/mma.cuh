@@ -128,7 +128,14 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
   // [m64 block][wgmma registers]
   using Accumulators = float[kMmaM][Mma::kAccRegs];
 
-  static_assert(kSteps % 2 == 0, "a slice's steps alternate the two fragment buffers");
+  // k16 steps widened and issued together: two (a 32-block) with one m64 block a warpgroup,
+  // whose widening chains were too few to hide their latency (ncu: one instruction issued every
+  // 5-6 cycles a warp, benchmarks/RESULTS.md 2026-12-04); one with two m64 blocks, whose
+  // registers are spent.
+  static constexpr int kRound = kMmaM == 1 ? 2 : 1;
+  static constexpr int kRounds = kSteps / kRound;
+  static_assert(kRounds % 2 == 0, "a slice's rounds alternate the two fragment buffers");
+  static_assert(kRound * Mma::kK <= 32, "a round's steps share one 32-block's scales");
 
   // token_offset: the warpgroup's first token row (Consumers::m_offset); row_offset: its first
   // weight row of each tile (n_offset); scale_row0: the tile's first weight row modulo 128 (n0 %
@@ -203,7 +210,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
     }
 #pragma unroll
     for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
-    uint32_t frag[2][kMmaM][4];
+    uint32_t frag[2][kMmaM][kRound][4];
     // e4m3_nan_bytes of every fragment of the tile, m64 block mh's shifted right by mh: one
     // register (one per block spilled in the gate/up tile with two m64 blocks a warpgroup).
     uint32_t nan_bytes = 0;
@@ -238,40 +245,53 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
           scales_fast[mh][block] = max(s0, s1) <= kMxfp8FastScaleMax;
         }
       }
-      uint32_t raw[kMmaM][2];
-      const auto load_raw = [&](int kk) {
+      // A round is kRound k16 steps of one 32-block: their fragments are widened under one
+      // branch (mxfp8_fragments) and their wgmmas issued as one commit group.
+      uint32_t raw[kMmaM][kRound][2];
+      const auto load_raw = [&](int round) {
 #pragma unroll
-        for (int mh = 0; mh < kMmaM; ++mh) {
-          const uint32_t r0 = weights + value_at[mh][0] + 16 * (kk ^ swizzle);
-          const uint32_t r1 = weights + value_at[mh][1] + 16 * (kk ^ swizzle);
-          const uint32_t r0_lo = ld_shared_u16(r0);
-          const uint32_t r1_lo = ld_shared_u16(r1);
-          const uint32_t r0_hi = ld_shared_u16(r0 + 8);
-          const uint32_t r1_hi = ld_shared_u16(r1 + 8);
-          raw[mh][0] = mxfp8_fragment_word(r0_lo, r1_lo);
-          raw[mh][1] = mxfp8_fragment_word(r0_hi, r1_hi);
+        for (int s = 0; s < kRound; ++s) {
+          const int kk = round * kRound + s;
+#pragma unroll
+          for (int mh = 0; mh < kMmaM; ++mh) {
+            const uint32_t r0 = weights + value_at[mh][0] + 16 * (kk ^ swizzle);
+            const uint32_t r1 = weights + value_at[mh][1] + 16 * (kk ^ swizzle);
+            const uint32_t r0_lo = ld_shared_u16(r0);
+            const uint32_t r1_lo = ld_shared_u16(r1);
+            const uint32_t r0_hi = ld_shared_u16(r0 + 8);
+            const uint32_t r1_hi = ld_shared_u16(r1 + 8);
+            raw[mh][s][0] = mxfp8_fragment_word(r0_lo, r1_lo);
+            raw[mh][s][1] = mxfp8_fragment_word(r0_hi, r1_hi);
+          }
         }
       };
       load_raw(0);
 #pragma unroll
-      for (int kk = 0; kk < kSteps; ++kk) {
-        const int buf = kk % 2;
-        const int block = kk / 2;  // the step's 32-block: byte 0 or 1 of the scale reads
+      for (int round = 0; round < kRounds; ++round) {
+        const int buf = round % 2;
+        const int block = round * kRound / 2;  // the round's 32-block: a byte of the scale reads
 #pragma unroll
         for (int mh = 0; mh < kMmaM; ++mh) {
-          mxfp8_fragment(raw[mh][0], raw[mh][1], fast[mh][block][0], fast[mh][block][1],
-                         scales_fast[mh][block], frag[buf][mh]);
-          nan_bytes |= (e4m3_nan_bytes(raw[mh][0], raw[mh][1]) & 0x80808080u) >> mh;
-          wgmma_fence_operands(frag[buf][mh]);
+          mxfp8_fragments(raw[mh], fast[mh][block][0], fast[mh][block][1], scales_fast[mh][block],
+                          frag[buf][mh]);
+#pragma unroll
+          for (int s = 0; s < kRound; ++s) {
+            nan_bytes |= (e4m3_nan_bytes(raw[mh][s][0], raw[mh][s][1]) & 0x80808080u) >> mh;
+            wgmma_fence_operands(frag[buf][mh][s]);
+          }
         }
         wgmma_fence();
 #pragma unroll
-        for (int mh = 0; mh < kMmaM; ++mh)
-          MmaN::mma(acc[mh], frag[buf][mh], desc_b_step(kk), (kb | kk) != 0);
+        for (int s = 0; s < kRound; ++s) {
+          const int kk = round * kRound + s;
+#pragma unroll
+          for (int mh = 0; mh < kMmaM; ++mh)
+            MmaN::mma(acc[mh], frag[buf][mh][s], desc_b_step(kk), (kb | kk) != 0);
+        }
         wgmma_commit();
-        if (kk + 1 < kSteps) load_raw(kk + 1);
+        if (round + 1 < kRounds) load_raw(round + 1);
         wgmma_wait<1>();
-        if (kk == 0 && kb > 0) {
+        if (round == 0 && kb > 0) {
           fence_proxy_async_shared();
           Base::release(ring, prev_stage);
         }

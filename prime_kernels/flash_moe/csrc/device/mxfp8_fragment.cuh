@@ -97,34 +97,49 @@ __device__ __forceinline__ uint32_t mxfp8_scale_of_fast_word(uint32_t fast) {
   return ((fast >> 7) & 0x1FFu) - 120u;
 }
 
-// The fragment's 4 bf16x2 registers from its two words (columns 2q, 2q + 1 and 2q + 8, 2q + 9;
-// mxfp8_fragment_word) and the scales of its 32-block: fast0, fast1: mxfp8_fast_scale_bf16x2
-// of s0 (row r0) and s1 (row r1), and scales_fast: both at most kMxfp8FastScaleMax, worked out
-// once per stage by the mainloop (a 32-block spans two k16 steps). Exact for every byte that is
-// not an e4m3 NaN; a NaN byte is exact (NaN) only on the slow path (the header).
-__device__ __forceinline__ void mxfp8_fragment(uint32_t lo, uint32_t hi, uint32_t fast0,
-                                               uint32_t fast1, bool scales_fast, uint32_t (&a)[4]) {
+// The 4 bf16x2 registers of each of kN fragments of one 32-block from its two words (columns
+// 2q, 2q + 1 and 2q + 8, 2q + 9; mxfp8_fragment_word) and the block's scales: fast0, fast1:
+// mxfp8_fast_scale_bf16x2 of s0 (row r0) and s1 (row r1), and scales_fast: both at most
+// kMxfp8FastScaleMax, worked out once per stage by the mainloop. One branch for all kN, so that
+// their conversions interleave. Exact for every byte that is not an e4m3 NaN; a NaN byte is
+// exact (NaN) only on the slow path (the header).
+template <int kN>
+__device__ __forceinline__ void mxfp8_fragments(const uint32_t (&words)[kN][2], uint32_t fast0,
+                                                uint32_t fast1, bool scales_fast,
+                                                uint32_t (&a)[kN][4]) {
   if (scales_fast) {
-    a[0] = bf16x2_mul_rn(e4m3_even_bytes_biased_bf16x2(lo), fast0);
-    a[1] = bf16x2_mul_rn(e4m3_odd_bytes_biased_bf16x2(lo), fast1);
-    a[2] = bf16x2_mul_rn(e4m3_even_bytes_biased_bf16x2(hi), fast0);
-    a[3] = bf16x2_mul_rn(e4m3_odd_bytes_biased_bf16x2(hi), fast1);
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const uint32_t lo = words[n][0], hi = words[n][1];
+      a[n][0] = bf16x2_mul_rn(e4m3_even_bytes_biased_bf16x2(lo), fast0);
+      a[n][1] = bf16x2_mul_rn(e4m3_odd_bytes_biased_bf16x2(lo), fast1);
+      a[n][2] = bf16x2_mul_rn(e4m3_even_bytes_biased_bf16x2(hi), fast0);
+      a[n][3] = bf16x2_mul_rn(e4m3_odd_bytes_biased_bf16x2(hi), fast1);
+    }
   } else {
     // The even (odd) bytes as one 2-byte pair, low byte first, through the fp32 route.
     const float scale0 = mxfp8_scale_value(mxfp8_scale_of_fast_word(fast0));
     const float scale1 = mxfp8_scale_value(mxfp8_scale_of_fast_word(fast1));
-    a[0] = mxfp8_pair_to_bf16x2(__byte_perm(lo, 0, 0x4420), scale0);
-    a[1] = mxfp8_pair_to_bf16x2(__byte_perm(lo, 0, 0x4431), scale1);
-    a[2] = mxfp8_pair_to_bf16x2(__byte_perm(hi, 0, 0x4420), scale0);
-    a[3] = mxfp8_pair_to_bf16x2(__byte_perm(hi, 0, 0x4431), scale1);
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const uint32_t lo = words[n][0], hi = words[n][1];
+      a[n][0] = mxfp8_pair_to_bf16x2(__byte_perm(lo, 0, 0x4420), scale0);
+      a[n][1] = mxfp8_pair_to_bf16x2(__byte_perm(lo, 0, 0x4431), scale1);
+      a[n][2] = mxfp8_pair_to_bf16x2(__byte_perm(hi, 0, 0x4420), scale0);
+      a[n][3] = mxfp8_pair_to_bf16x2(__byte_perm(hi, 0, 0x4431), scale1);
+    }
   }
 }
 
 // The same from the two words and scale bytes alone (the per-stage parts worked out here).
 __device__ __forceinline__ void mxfp8_fragment(uint32_t lo, uint32_t hi, uint32_t s0, uint32_t s1,
                                                uint32_t (&a)[4]) {
-  mxfp8_fragment(lo, hi, mxfp8_fast_scale_bf16x2(s0), mxfp8_fast_scale_bf16x2(s1),
-                 max(s0, s1) <= kMxfp8FastScaleMax, a);
+  const uint32_t words[1][2] = {{lo, hi}};
+  uint32_t out[1][4];
+  mxfp8_fragments(words, mxfp8_fast_scale_bf16x2(s0), mxfp8_fast_scale_bf16x2(s1),
+                  max(s0, s1) <= kMxfp8FastScaleMax, out);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) a[r] = out[0][r];
 }
 
 }  // namespace prime_moe
