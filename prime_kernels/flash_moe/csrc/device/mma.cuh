@@ -152,8 +152,8 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
   // tile (tile_tokens, moe_gemm.cuh); the accumulators of the tokens past it are left as they
   // were (a non-wgmma write to them would serialize every wgmma, C7515), and the epilogues skip
   // them. Returns the tile's NaN rows: bit 2 mh + i set where the thread's weight row r_i of
-  // m64 block mh held an e4m3 NaN byte (mxfp8_fragment.cuh), whose outputs the epilogue makes
-  // NaN (the accumulators cannot be written here, for the same reason).
+  // m64 block mh held an e4m3 NaN byte in any column (mxfp8_fragment.cuh), whose outputs the
+  // epilogue makes NaN (the accumulators cannot be written here, for the same reason).
   template <class Issued>
   __device__ __forceinline__ static uint32_t run(Accumulators& acc,
                                                  const prime_kernels::StageRing& ring,
@@ -311,6 +311,11 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
       nan_rows |= uint32_t((nan_bytes & (kNanBytesRow0 >> mh)) != 0) << (2 * mh);
       nan_rows |= uint32_t((nan_bytes & (kNanBytesRow1 >> mh)) != 0) << (2 * mh + 1);
     }
+    // A thread holds 4 of each k16 step's 16 columns of its rows: the quad's four threads hold
+    // the rest, and each writes other token columns of the same rows, so every one of them
+    // needs the whole rows' flags.
+    nan_rows |= __shfl_xor_sync(0xFFFFFFFFu, nan_rows, 1);
+    nan_rows |= __shfl_xor_sync(0xFFFFFFFFu, nan_rows, 2);
     return nan_rows;
   }
 };
