@@ -180,6 +180,11 @@ inline constexpr int kMaxStages = 8;
 // Mean rows per routed expert at or below which the forward takes decode-sized tiles
 // (resolve_config): a quarter of a 128-row block or less is real.
 inline constexpr int64_t kDecodeRowsPerExpert = 32;
+// The same for register-A (MXFP8) tiles, whose 64-wide gate/up tile and 128-row down tile widen
+// one m64 block a warpgroup in rounds of two k16 steps (mma.cuh): at 256 rows an expert or fewer
+// that beats the 128-wide tiles' two m64 blocks of single steps (H200, T = 64 and 1024,
+// Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B: 2.4-11% less time, benchmarks/RESULTS.md).
+inline constexpr int64_t kRegisterANarrowRowsPerExpert = 256;
 
 // The deepest ring the device's shared memory holds for this tile (0: not instantiated).
 template <class Weights>
@@ -213,19 +218,17 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
     // average: decode-sized T, where the blocks are mostly padding and the kernels stream
     // weights, and more, narrower tiles keep more of them in flight (H200, T = 64, all five
     // benchmark configs: 0.3-5% less time, Mixtral-8x7B 84% -> 88% of the copy rate; at T =
-    // 1024, 64 to 256 rows an expert, 64 costs up to 11%). For register-A (MXFP8) tiles 64 is
-    // also the width whose gate/up tile cuts its wgmmas to the block's tokens (mma.cuh,
-    // kCutsTokens); while every tile multiplied all 128 token rows, 128 was faster (T = 64, two
-    // runs: Qwen3-30B-A3B 0.519 ms at 128 against 0.600 at 64, Mixtral-8x7B 0.942 against
-    // 1.145). Real blocks are at most one partial block per routed expert plus T*k / block_m
-    // full ones.
+    // 1024, 64 to 256 rows an expert, 64 costs up to 11%). Register-A (MXFP8) tiles take 64 up
+    // to kRegisterANarrowRowsPerExpert, which covers T = 1024 too. Real blocks are at most one
+    // partial block per routed expert plus T*k / block_m full ones.
     const int64_t pairs = problem.num_tokens * problem.top_k;
     const int64_t routed = std::min(problem.num_experts, pairs);
     const int64_t blocks = std::min(problem.max_padded / block_m, routed + pairs / block_m);
     const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
-    const bool decode = pairs <= routed * kDecodeRowsPerExpert;
+    const bool narrow = pairs <= routed * (Weights::kRegisterA ? kRegisterANarrowRowsPerExpert
+                                                               : kDecodeRowsPerExpert);
     c.block_n =
-        (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || decode) ? 64 : 128;
+        (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || narrow) ? 64 : 128;
   }
   // The consumers are always two warpgroups (tile.cuh); warp_n only chose the tile above.
   c.warp_n = kConsumerWarpgroups;
