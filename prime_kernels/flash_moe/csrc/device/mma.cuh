@@ -162,20 +162,15 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
                                                  int scale_row0, int num_k_blocks, int n_tokens,
                                                  Issued&& issued) {
     using prime_kernels::WgmmaBf16RS;
-    if (!kCutsTokens)
-      return run_n<Mma>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0,
-                        num_k_blocks, issued);
-    if (n_tokens <= 16)
-      return run_n<WgmmaBf16RS<16, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
-                                                     row_offset, scale_row0, num_k_blocks, issued);
-    if (n_tokens <= 32)
-      return run_n<WgmmaBf16RS<32, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
-                                                     row_offset, scale_row0, num_k_blocks, issued);
-    if (Mma::kAccRegs > 32 && n_tokens <= 64)
-      return run_n<WgmmaBf16RS<64, ALayout::kTrans>>(acc, ring, rs, smem_a, smem_b, token_offset,
-                                                     row_offset, scale_row0, num_k_blocks, issued);
-    return run_n<Mma>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0,
-                      num_k_blocks, issued);
+    const auto with_mma = [&](auto mma_n) {
+      return run_n<decltype(mma_n)>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset,
+                                    scale_row0, num_k_blocks, issued);
+    };
+    if (!kCutsTokens) return with_mma(Mma{});
+    if (n_tokens <= 16) return with_mma(WgmmaBf16RS<16, ALayout::kTrans>{});
+    if (n_tokens <= 32) return with_mma(WgmmaBf16RS<32, ALayout::kTrans>{});
+    if (Mma::kAccRegs > 32 && n_tokens <= 64) return with_mma(WgmmaBf16RS<64, ALayout::kTrans>{});
+    return with_mma(Mma{});
   }
 
   // The K loop with wgmma N = MmaN's (at most Mma's: the accumulators' first registers).
