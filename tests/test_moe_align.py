@@ -63,17 +63,24 @@ def check_against_reference(flash_moe, ids, E, block_m, bpc):
 
 @pytest.mark.sanitize
 @pytest.mark.parametrize("kind", ["uniform", "zipf", "one_expert", "empty_experts", "dropped"])
-@pytest.mark.parametrize(("T", "E", "k"), [(1, 8, 2), (7, 4, 1), (1000, 128, 8), (4096, 64, 4)])
+# Up to 8 chunks of 1024 pairs (8 x E bins <= 8192, at most 65536 padded rows) moe_align runs in
+# one block, past that in three passes: (1024, 32, 4) and (1000, 128, 8) take the one block
+# with 4 and 8 chunks, (1200, 128, 8) and (4096, 64, 4) the passes.
+@pytest.mark.parametrize(
+    ("T", "E", "k"),
+    [(1, 8, 2), (7, 4, 1), (1024, 32, 4), (1000, 128, 8), (1200, 128, 8), (4096, 64, 4)],
+)
 def test_routing_kinds(flash_moe, seed, kind, T, E, k):
     generator = torch.Generator().manual_seed(seed)
     ids = make_ids(kind, T, E, min(k, E), generator).cuda()
     check_against_reference(flash_moe, ids, E, flash_moe.BLOCK_M, 1)
 
 
+@pytest.mark.parametrize("T", [500, 3000])  # one block, and the three passes
 @pytest.mark.parametrize(("block_m", "bpc"), [(64, 1), (128, 2), (16, 4), (256, 1)])
-def test_block_sizes(flash_moe, seed, block_m, bpc):
+def test_block_sizes(flash_moe, seed, T, block_m, bpc):
     generator = torch.Generator().manual_seed(seed)
-    ids = make_ids("zipf", 3000, 32, 4, generator).cuda()
+    ids = make_ids("zipf", T, 32, 4, generator).cuda()
     check_against_reference(flash_moe, ids, 32, block_m, bpc)
 
 

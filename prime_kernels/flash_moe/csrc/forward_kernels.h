@@ -72,6 +72,18 @@ struct Mxfp8Weights {
   }
 };
 
+// Up to this many (token, expert) pairs the forward's kernels launch as programmatic dependents
+// of the one before (grid_dependency.cuh), so each kernel's setup, and the down GEMM's first
+// weight tiles, overlap the tail of the kernel before. H200, T = 64 / 1024 against plain launches
+// (with moe_align in one block, benchmarks/RESULTS.md): orig 5.5% / 4.2% less time (its GEMMs
+// stream weights for ~115 of the call's ~140 us), OLMoE 2.3% / 0.9%, Qwen3-30B-A3B 1.3% / 1.4%,
+// Mixtral-8x7B and DeepSeek-V3-32 within 1%. At T = 8192 and 32768 dependent launches measured
+// 0.98-1.0x (a launch gap is microseconds of milliseconds there): larger problems launch plainly.
+inline constexpr int64_t kDependentLaunchMaxPairs = 16384;
+// The down GEMM's producer copies its first tile's weight tiles before it waits for the gate/up
+// GEMM (moe_gemm.cuh): they start streaming on each SM a gate/up CTA leaves.
+inline constexpr bool kDownBBeforeWait = true;
+
 // The forward's kernels for one gate/up tile of block_m x block_n.
 // The down GEMM (K = H, often only 12 K steps) spends a large share of each tile in its
 // epilogue; at the large tile it runs ping-pong, one warpgroup's stores under the other's
@@ -90,8 +102,9 @@ struct ForwardKernels {
   using DownGemm = std::conditional_t<
       kDownPingPong,
       MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, typename Weights::template BLoad<DownTile>,
-              MoeTileScheduler, PingPongConsumers>,
-      MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, typename Weights::template BLoad<DownTile>>>;
+              MoeTileScheduler, PingPongConsumers, 1, kDownBBeforeWait>,
+      MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, typename Weights::template BLoad<DownTile>,
+              MoeTileScheduler, CooperativeConsumers, 1, kDownBBeforeWait>>;
   template <class Epilogue>
   using GateUpGemm = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, Epilogue,
                              typename Weights::template BLoad<GateUpTile>>;
@@ -124,7 +137,7 @@ struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   using DownTile = MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>;
   template <class Epilogue>
   using DownGemm = MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, Mxfp8WeightTilesRS<DownTile>,
-                           MoeTileScheduler, RegisterAConsumers>;
+                           MoeTileScheduler, RegisterAConsumers, 1, kDownBBeforeWait>;
   using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, typename Weights::GateUpEpilogue,
                          Mxfp8WeightTilesRS<GateUpTile>, MoeTileScheduler, RegisterAConsumers>;
   using GateUpKeepZ = void;  // kKeepsZ is false
@@ -383,6 +396,7 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
   const int num_sms = usable_sms(pr.device);
   if (num_sms == 0) return cudaErrorInvalidDevice;
   const int num_pairs = int(pr.num_tokens * pr.top_k);
+  const bool dependent = num_pairs <= kDependentLaunchMaxPairs;
   cudaError_t err;
   if (c.split) {
     // All bytes 0xFF = -1: no row; the gate/up producer scatters the routed ones.
@@ -434,18 +448,21 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
     const bool found = with_forward_kernels<Weights>(int(pr.block_m), c.block_n, [&](auto kernels) {
       using K = decltype(kernels);
       if constexpr (Weights::kKeepsZ) {
-        err = pr.keep_z != nullptr
-                  ? launch_gemm<typename K::GateUpKeepZ>(tmap_w, tmap_w, gate_up, num_sms, stream)
-                  : launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
+        err = pr.keep_z != nullptr ? launch_gemm<typename K::GateUpKeepZ>(
+                                         tmap_w, tmap_w, gate_up, num_sms, stream, dependent)
+                                   : launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up,
+                                                                     num_sms, stream, dependent);
       } else {
-        err = launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream);
+        err = launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream, dependent);
       }
       if (err != cudaSuccess) return;
       err = Weights::weight_map(&tmap_w2, weights.w2, uint64_t(E) * D, H, K::DownTile::kBlockN);
       if (err != cudaSuccess) return;
       down.stages = K::down_stages(c.stages, pr.device, kMaxStages);
-      err = c.split ? launch_gemm<typename K::DownStore>(tmap_h, tmap_w2, down, num_sms, stream)
-                    : launch_gemm<typename K::DownAtomic>(tmap_h, tmap_w2, down, num_sms, stream);
+      err = c.split ? launch_gemm<typename K::DownStore>(tmap_h, tmap_w2, down, num_sms, stream,
+                                                         dependent)
+                    : launch_gemm<typename K::DownAtomic>(tmap_h, tmap_w2, down, num_sms, stream,
+                                                          dependent);
     });
     if (!found) return cudaErrorInvalidValue;  // unreachable after the checks
     if (err != cudaSuccess) return err;
@@ -453,8 +470,8 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
   if (c.split) {
     CombineParams cp{ws.y,        ws.pair_to_row, pr.topk_weights,   pr.out,
                      int(pr.dim), int(pr.top_k),  int(pr.max_padded)};
-    moe_combine_kernel<<<unsigned(pr.num_tokens), kCombineThreads, 0, stream>>>(cp);
-    err = cudaGetLastError();
+    err = prime_kernels::launch_kernel(moe_combine_kernel, dim3(unsigned(pr.num_tokens)),
+                                       dim3(kCombineThreads), 0, stream, dependent, cp);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -6,10 +6,13 @@
 //      the padded total;
 //   3. one warp per chunk walks its pairs in index order and places them, ranking equal
 //      experts inside a step with __match_any_sync, so each segment is stable by pair index.
+// Passes 2 and 3 launch as programmatic dependents of the pass before (grid_dependency.cuh).
+// Up to kSmallChunks chunks, one block runs all three (moe_align_small).
 #include <cub/block/block_scan.cuh>
 
 #include "flash_moe_constants.h"
 #include "moe_align.h"
+#include "prime_kernels/grid_dependency.cuh"
 
 namespace prime_moe {
 namespace {
@@ -28,6 +31,7 @@ __device__ __forceinline__ bool routed(int32_t expert, int num_experts) {
 __global__ void __launch_bounds__(kHistogramThreads)
     moe_align_histogram(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
                         int32_t* __restrict__ chunk_counts) {
+  prime_kernels::launch_dependent_grids();  // the offsets pass waits for this one's end
   extern __shared__ int32_t counts[];
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
@@ -44,10 +48,12 @@ __global__ void __launch_bounds__(kHistogramThreads)
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) row[e] = counts[e];
 }
 
-__global__ void __launch_bounds__(kScanThreads)
-    moe_align_offsets(int64_t num_chunks, int num_experts, int block_m, int pad, int64_t max_padded,
-                      int32_t* __restrict__ chunk_counts, int32_t* __restrict__ expert_ids,
-                      int32_t* __restrict__ num_tokens_post_padded) {
+// Pass 2, by a block of kScanThreads threads. chunk_counts (global or shared memory): the
+// (chunk, expert) counts in, each chunk's first row of each expert out.
+__device__ __forceinline__ void align_offsets(int64_t num_chunks, int num_experts, int block_m,
+                                              int pad, int64_t max_padded, int32_t* chunk_counts,
+                                              int32_t* __restrict__ expert_ids,
+                                              int32_t* __restrict__ num_tokens_post_padded) {
   using Scan = cub::BlockScan<int32_t, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
 
@@ -87,14 +93,13 @@ __global__ void __launch_bounds__(kScanThreads)
   if (threadIdx.x == 0) *num_tokens_post_padded = padded_total;
 }
 
-__global__ void __launch_bounds__(kScatterWarps * 32)
-    moe_align_scatter(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
-                      int64_t num_chunks, int32_t* __restrict__ chunk_rows,
-                      int32_t* __restrict__ sorted_token_ids) {
+// Pass 3 for one chunk, by one warp. next_row (global or shared memory): the chunk's next row
+// of each expert.
+__device__ __forceinline__ void align_scatter_chunk(const int32_t* __restrict__ topk_ids,
+                                                    int64_t num_pairs, int num_experts,
+                                                    int64_t chunk, int32_t* next_row,
+                                                    int32_t* __restrict__ sorted_token_ids) {
   const int lane = threadIdx.x % 32;
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScatterWarps + threadIdx.x / 32;
-  if (chunk >= num_chunks) return;
-  int32_t* next_row = chunk_rows + chunk * num_experts;
   const unsigned lanes_below = (1u << lane) - 1;
   for (int step = 0; step < kMoeAlignChunk; step += 32) {
     const int64_t pair = chunk * kMoeAlignChunk + step + lane;
@@ -113,6 +118,71 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
   }
 }
 
+__global__ void __launch_bounds__(kScanThreads)
+    moe_align_offsets(int64_t num_chunks, int num_experts, int block_m, int pad, int64_t max_padded,
+                      int32_t* __restrict__ chunk_counts, int32_t* __restrict__ expert_ids,
+                      int32_t* __restrict__ num_tokens_post_padded) {
+  prime_kernels::grid_dependency_wait();
+  prime_kernels::launch_dependent_grids();
+  align_offsets(num_chunks, num_experts, block_m, pad, max_padded, chunk_counts, expert_ids,
+                num_tokens_post_padded);
+}
+
+__global__ void __launch_bounds__(kScatterWarps * 32)
+    moe_align_scatter(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
+                      int64_t num_chunks, int32_t* __restrict__ chunk_rows,
+                      int32_t* __restrict__ sorted_token_ids) {
+  prime_kernels::grid_dependency_wait();
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScatterWarps + threadIdx.x / 32;
+  if (chunk >= num_chunks) return;
+  align_scatter_chunk(topk_ids, num_pairs, num_experts, chunk, chunk_rows + chunk * num_experts,
+                      sorted_token_ids);
+}
+
+// Up to kSmallChunks chunks (decode and small prefill sizes): the three passes in one block,
+// the (chunk, expert) bins in shared memory, and sorted_token_ids' -1 fill too. The four stream
+// operations of the passes spanned 14 us of the whole forward's 141 at T = 64 (H200, orig
+// config: E = 32, k = 4), most of it launch latency and the gaps between them; the one block
+// takes 7.9.
+constexpr int kSmallChunks = 8;        // one warp of the block places each chunk
+constexpr int kSmallBins = 8192;       // 32 KB of shared memory: chunks x experts
+constexpr int64_t kSmallRows = 65536;  // the -1 fill: 64 coalesced stores a thread
+static_assert(kSmallChunks <= kScanThreads / 32, "a warp of the block per chunk");
+
+bool align_in_one_block(int64_t num_chunks, int num_experts, int64_t max_padded) {
+  return num_chunks <= kSmallChunks && num_chunks * num_experts <= kSmallBins &&
+         max_padded <= kSmallRows;
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+    moe_align_small(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
+                    int block_m, int pad, int64_t max_padded,
+                    int32_t* __restrict__ sorted_token_ids, int32_t* __restrict__ expert_ids,
+                    int32_t* __restrict__ num_tokens_post_padded) {
+  __shared__ int32_t bins[kSmallBins];
+  const int64_t num_chunks = (num_pairs + kMoeAlignChunk - 1) / kMoeAlignChunk;
+  for (int i = threadIdx.x; i < num_chunks * num_experts; i += kScanThreads) bins[i] = 0;
+  for (int64_t row = threadIdx.x; row < max_padded; row += kScanThreads) {
+    sorted_token_ids[row] = -1;
+  }
+  __syncthreads();
+  for (int64_t pair = threadIdx.x; pair < num_pairs; pair += kScanThreads) {
+    const int32_t expert = topk_ids[pair];
+    if (routed(expert, num_experts)) {
+      atomicAdd(&bins[pair / kMoeAlignChunk * num_experts + expert], 1);
+    }
+  }
+  __syncthreads();
+  align_offsets(num_chunks, num_experts, block_m, pad, max_padded, bins, expert_ids,
+                num_tokens_post_padded);
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  if (warp < num_chunks) {
+    align_scatter_chunk(topk_ids, num_pairs, num_experts, warp, bins + warp * num_experts,
+                        sorted_token_ids);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num_experts,
@@ -121,6 +191,12 @@ cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num
                              int32_t* workspace, cudaStream_t stream) {
   const int pad = block_m * bpc;
   const int64_t num_chunks = moe_align_num_chunks(num_pairs);
+  if (align_in_one_block(num_chunks, num_experts, max_padded)) {
+    moe_align_small<<<1, kScanThreads, 0, stream>>>(topk_ids, num_pairs, num_experts, block_m, pad,
+                                                    max_padded, sorted_token_ids, expert_ids,
+                                                    num_tokens_post_padded);
+    return cudaGetLastError();
+  }
   // -1 everywhere first: padding rows and the tail past the padded total stay -1.
   cudaError_t status =
       cudaMemsetAsync(sorted_token_ids, 0xff, max_padded * sizeof(int32_t), stream);
@@ -130,15 +206,15 @@ cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num
         topk_ids, num_pairs, num_experts, workspace);
     if ((status = cudaGetLastError()) != cudaSuccess) return status;
   }
-  moe_align_offsets<<<1, kScanThreads, 0, stream>>>(num_chunks, num_experts, block_m, pad,
-                                                    max_padded, workspace, expert_ids,
-                                                    num_tokens_post_padded);
-  if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  status = prime_kernels::launch_kernel(moe_align_offsets, dim3(1), dim3(kScanThreads), 0, stream,
+                                        num_chunks > 0, num_chunks, num_experts, block_m, pad,
+                                        max_padded, workspace, expert_ids, num_tokens_post_padded);
+  if (status != cudaSuccess) return status;
   if (num_chunks > 0) {
     const int64_t blocks = (num_chunks + kScatterWarps - 1) / kScatterWarps;
-    moe_align_scatter<<<blocks, kScatterWarps * 32, 0, stream>>>(
+    status = prime_kernels::launch_kernel(
+        moe_align_scatter, dim3(unsigned(blocks)), dim3(kScatterWarps * 32), 0, stream, true,
         topk_ids, num_pairs, num_experts, num_chunks, workspace, sorted_token_ids);
-    status = cudaGetLastError();
   }
   return status;
 }

@@ -80,7 +80,8 @@ cudaError_t max_active_clusters(int device, int stages, int* clusters) {
 
 template <class Kernel>
 cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
-                        const MoeGemmParams& params, int num_sms, cudaStream_t stream) {
+                        const MoeGemmParams& params, int num_sms, cudaStream_t stream,
+                        bool dependent = false) {
   using Tile = typename Kernel::Tile;
   constexpr int kClusterM = Kernel::kClusterM;
   auto* kernel = moe_gemm_kernel<Kernel>;
@@ -95,8 +96,8 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
       Kernel::Scheduler::max_tiles(params, Tile::kBlockM, Tile::kBlockN, kClusterM);
   if constexpr (kClusterM == 1) {
     const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tiles)));
-    kernel<<<grid, Kernel::kThreads, smem, stream>>>(tmap_a, tmap_b, params);
-    return cudaGetLastError();
+    return prime_kernels::launch_kernel(kernel, dim3(grid), dim3(Kernel::kThreads), smem, stream,
+                                        dependent, tmap_a, tmap_b, params);
   } else {
     int device = 0, fit = 0;
     if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;

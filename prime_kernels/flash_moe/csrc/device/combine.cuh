@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "prime_kernels/grid_dependency.cuh"
+
 namespace prime_moe {
 
 struct CombineParams {
@@ -36,6 +38,7 @@ constexpr int kCombinePairsInFlight = 8;
 
 static __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const CombineParams p) {
+  prime_kernels::grid_dependency_wait();  // y comes from the down GEMM (a dependent launch)
   const int token = blockIdx.x;
   const int pair0 = token * p.top_k;
   for (int c = threadIdx.x * 8; c < p.dim; c += kCombineThreads * 8) {

@@ -25,6 +25,15 @@
 // block with a garbage expert id) passes its stages empty. Either way both CTAs walk the same
 // stages in the same order, which multicasting into each other's stages needs: a stage is refilled
 // only when the consumers of both CTAs released it.
+//
+// Launched as a programmatic dependent (grid_dependency.cuh), the kernel sets up its barriers
+// before it waits for the kernel ahead of it, and lets the next kernel launch right after that
+// wait. kBBeforeWait (the forward's down GEMM, launched right after its gate/up GEMM) goes
+// further: the producer copies the B (weight) tiles of its first tile's first stages before the
+// wait, since nothing ahead writes the weights; only A (h) waits. The routing it reads to find
+// that tile was complete when the gate/up GEMM passed its own wait, before it let this kernel
+// launch. At decode sizes the weight stream of the down GEMM then starts on each SM as soon as
+// a gate/up CTA leaves it.
 #pragma once
 
 #include <cuda.h>
@@ -38,6 +47,7 @@
 #include "mma.cuh"
 #include "moe_gemm_params.cuh"
 #include "prime_kernels/cluster.cuh"
+#include "prime_kernels/grid_dependency.cuh"
 #include "prime_kernels/mbarrier.cuh"
 #include "prime_kernels/pipeline.cuh"
 #include "prime_kernels/tma.cuh"
@@ -58,7 +68,7 @@ constexpr bool splits_b(int cluster_m) {
 template <class Tile_, class ALoad_, class Epilogue_, class BLoad_ = TmaWeightTiles<Tile_>,
           class Scheduler_ = MoeTileScheduler,
           template <class, class, class> class Consumers_ = CooperativeConsumers,
-          int kClusterM_ = 1>
+          int kClusterM_ = 1, bool kBBeforeWait_ = false>
 struct MoeGemm {
   using Tile = Tile_;
   using ALoad = ALoad_;
@@ -67,6 +77,7 @@ struct MoeGemm {
   using Scheduler = Scheduler_;
   using Consumers = Consumers_<Tile, typename ALoad::Layout, typename BLoad::Layout>;
   static constexpr int kClusterM = kClusterM_;
+  static constexpr bool kBBeforeWait = kBBeforeWait_;
   static constexpr bool kFenceGenericWrites =
       ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites;
   // Register-A consumers (MXFP8 weights widened in registers) run their own K loop over the
@@ -113,6 +124,8 @@ struct MoeGemm {
 
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of one or two CTAs along M");
   static_assert(!Consumers::kRegisterA || kClusterM == 1, "the register-A loop has no clusters");
+  static_assert(!kBBeforeWait || (ALoad::kThreads == 1 && BLoad::kThreads == 1 && kClusterM == 1),
+                "copies before the wait are issued by the one TMA thread of a single CTA");
   static_assert(splits_b<BLoad>(kClusterM),
                 "a cluster splits the B tile's TMA boxes between its CTAs");
 
@@ -221,6 +234,13 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     cluster_sync();
   else
     __syncthreads();
+  // Everything below reads what the kernel ahead wrote (the routing, A), except the B copies
+  // of a kBBeforeWait producer (its own wait follows them).
+  const bool b_before_wait = Kernel::kBBeforeWait && warpgroup == 0;
+  if (!b_before_wait) {
+    grid_dependency_wait();
+    launch_dependent_grids();
+  }
 
   const Scheduler sched(p, Tile::kBlockM, Tile::kBlockN, Kernel::kClusterM);
   const int num_tiles = sched.num_tiles();
@@ -232,10 +252,34 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     if (tid < Kernel::kProducerThreads) {
       ALoad a_load(tid);
       BLoad b_load(tid);
+      // kBBeforeWait: the K steps of the CTA's first tile whose stages hold B, and the A copies
+      // behind the wait.
+      int first_steps = 0;
+      if constexpr (Kernel::kBBeforeWait) {
+        if (int(blockIdx.x) < num_tiles && sched.work(blockIdx.x, p, w)) {
+          a_load.start_tile(p, sched.npp, w);
+          b_load.start_tile(p, sched.npp, w);
+          first_steps = min(stages, w.num_k_blocks);
+          // The ring is fresh: stage kb is free, and its phase is the first.
+          for (int kb = 0; kb < first_steps; ++kb) {
+            mbarrier_arrive_expect_tx(&ring.full[kb],
+                                      tile_tma_bytes(a_load) + tile_tma_bytes(b_load));
+            load_b(b_load, p, &tmap_b, smem_b + size_t(kb) * Tile::kBBytes, &ring.full[kb], kb,
+                   BoxShare{});
+          }
+        }
+        grid_dependency_wait();
+        launch_dependent_grids();
+        for (int kb = 0; kb < first_steps; ++kb)
+          a_load.load(p, &tmap_a, smem_a + size_t(kb) * Tile::kABytes, &ring.full[kb], kb);
+        rs.advance(stages, first_steps);
+      }
       // Tile t's cluster partner is t ^ 1 (the scheduler pairs them; blockIdx.x % 2 is the
       // CTA's rank, and gridDim.x is even).
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const bool has_tile = sched.work(t, p, w);
+        // The first tile's first K steps went out above (kBBeforeWait).
+        const int kb_begin = t == int(blockIdx.x) ? first_steps : 0;
         BoxShare share;
         if constexpr (kCluster) {
           MoeWorkTile pw;
@@ -246,11 +290,11 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
         } else if (!has_tile) {
           continue;
         }
-        if (has_tile) {
+        if (has_tile && kb_begin == 0) {
           if (tid < ALoad::kThreads) a_load.start_tile(p, sched.npp, w);
           if (tid < BLoad::kThreads) b_load.start_tile(p, sched.npp, w);
         }
-        for (int kb = 0; kb < w.num_k_blocks; ++kb) {
+        for (int kb = kb_begin; kb < w.num_k_blocks; ++kb) {
           ring.producer_acquire(rs);
           uint64_t* full = ring.full_barrier(rs);
           if constexpr (kCluster) {
