@@ -3,6 +3,7 @@
     python benchmarks/flash_moe_kernels.py [--configs qwen3,mixtral] [--tokens 32768]
                                            [--routing softmax|one] [--steps 5]
                                            [--impl ours|sonic] [--step train|fwd-train|fwd]
+                                           [--timeline]
 
 Runs flash_moe.moe forward and backward (x, w, w2 and topk_weights requiring grad) a few
 times under torch.profiler and prints, per kernel, the mean device time per step and, for
@@ -13,6 +14,11 @@ benchmarks/flash_moe.py --training's job; this splits it. ``--impl sonic`` split
 training step (peers.Sonic, its default configs, the step benchmarks/flash_moe.py times) the
 same way, by its kernels' names. ``--step fwd-train`` splits the training forward alone and
 ``--step fwd`` the forward op (split=True): what keeping z costs the forward.
+``--timeline`` prints, instead, one step's stream operations in launch order, each step
+after an L2 flush (as the benchmark times it): the median over the steps of each one's start
+(from the step's first), duration and gap after the one before (negative: it overlapped,
+e.g. a programmatic dependent launch): where a decode-sized call spends what its kernels do
+not.
 """
 
 from __future__ import annotations
@@ -63,6 +69,58 @@ def label_of(name, table=KERNELS):
     return name[:80], 0
 
 
+def step_timeline(events, flush_names):
+    """events: (name, start_us, duration_us) of every device operation, in start order;
+    each step begins after an operation named in flush_names. Returns, per position in a step,
+    (name, median start from the step's first operation, median duration, median gap after
+    the end of the operations before it), over the steps that launched the same sequence as
+    the first; and the median span of a step."""
+    import statistics
+
+    steps, current = [], None
+    for name, start, duration in events:
+        if name in flush_names:
+            current = []
+            steps.append(current)
+        elif current is not None:
+            current.append((name, start, duration))
+    steps = [s for s in steps if s and [n for n, _, _ in s] == [n for n, _, _ in steps[0]]]
+    if not steps:
+        return [], 0.0
+    rows, spans = [], []
+    for i in range(len(steps[0])):
+        starts, durations, gaps = [], [], []
+        for step in steps:
+            t0 = step[0][1]
+            end_before = max((s + d for _, s, d in step[:i]), default=t0)
+            starts.append(step[i][1] - t0)
+            durations.append(step[i][2])
+            gaps.append(step[i][1] - end_before)
+        med = statistics.median
+        rows.append((steps[0][i][0], med(starts), med(durations), med(gaps)))
+    for step in steps:
+        spans.append(max(s + d for _, s, d in step) - step[0][1])
+    return rows, statistics.median(spans)
+
+
+def device_events(prof):
+    """(name, start_us, duration_us) of the kernels and memsets a profile recorded."""
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    ops = [e for e in trace if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    return sorted(((e["name"], e["ts"], e["dur"]) for e in ops), key=lambda e: e[1])
+
+
 def make_step(impl, fm, x, w, w2, ids, wts, grad_out, what="train"):
     """(what benchmarks/flash_moe.py times, through peers: ``train`` the training step (forward
     and backward of x, w, w2 and topk_weights), ``fwd-train`` its forward alone, ``fwd`` the
@@ -103,6 +161,12 @@ def parse_args(argv=None):
         help="train: forward + backward; fwd-train: the training forward alone (keeping what "
         "backward reads); fwd: the forward op, split=True (default train)",
     )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="one step's stream operations in order (start, duration, gap), each step after "
+        "an L2 flush, instead of the time per kernel",
+    )
     return p.parse_args(argv)
 
 
@@ -132,6 +196,11 @@ def main(argv=None):
                 step()
             torch.cuda.synchronize()
             if args.steps == 0:  # under ncu, which profiles the launches itself
+                continue
+            if args.timeline:
+                print_timeline(step, table, args, label, T, device)
+                del x, ids, wts, grad_out, step
+                torch.cuda.empty_cache()
                 continue
             # The steps back to back, timed by events: what the GPU spends beyond the sum of
             # the kernels (gaps between launches, host time it waits for) is the difference.
@@ -165,6 +234,35 @@ def main(argv=None):
                 print(f"  {ms:8.3f} ms  {rate:>15}  {name}")
             del x, ids, wts, grad_out, step
             torch.cuda.empty_cache()
+
+
+def print_timeline(step, table, args, label, T, device):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # larger than L2
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush.fill_(1)
+        torch.cuda.synchronize()
+    flush_names = {name for name, _, _ in device_events(prof)}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            flush.fill_(1)
+            step()
+        torch.cuda.synchronize()
+    rows, span = step_timeline(device_events(prof), flush_names)
+    print(
+        f"== {args.impl} {args.step}: {label} T={T} ({args.routing} routing): "
+        f"{span:.1f} us from the first operation's start to the last one's end (median)"
+    )
+    for name, start, duration, gap in rows:
+        # GEMMs by their role; the rest by their function's name (moe_align's passes apart)
+        short = (
+            label_of(name, table)[0]
+            if "moe_gemm_kernel" in name
+            else name.split("(")[0].split("<")[0].split("::")[-1]
+        )
+        print(f"  start {start:8.1f}  duration {duration:8.1f}  gap {gap:7.1f}  {short}")
 
 
 if __name__ == "__main__":
