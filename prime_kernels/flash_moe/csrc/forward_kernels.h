@@ -74,11 +74,12 @@ struct Mxfp8Weights {
 
 // Up to this many (token, expert) pairs the forward's kernels launch as programmatic dependents
 // of the one before (grid_dependency.cuh), so each kernel's setup, and the down GEMM's first
-// weight tiles, overlap the tail of the kernel before. H200, T = 64 / 1024 against plain launches
-// (with moe_align in one block, benchmarks/RESULTS.md): orig 5.5% / 4.2% less time (its GEMMs
-// stream weights for ~115 of the call's ~140 us), OLMoE 2.3% / 0.9%, Qwen3-30B-A3B 1.3% / 1.4%,
-// Mixtral-8x7B and DeepSeek-V3-32 within 1%. At T = 8192 and 32768 dependent launches measured
-// 0.98-1.0x (a launch gap is microseconds of milliseconds there): larger problems launch plainly.
+// weight tiles, overlap the tail of the kernel before. H200, T = 64 / 1024, dependent launches
+// against plain ones (benchmarks/RESULTS.md 2026-12-04 night): orig 1.031x / 1.022x faster (its
+// GEMMs stream weights for ~115 of the call's ~140 us), OLMoE 1.012x / 1.004x, Qwen3-30B-A3B
+// 1.013x / 1.008x, Mixtral-8x7B and DeepSeek-V3-32 within 1-2% either way. At T = 8192 they
+// measured 0.98-1.0x (a launch gap is microseconds of milliseconds there): larger problems
+// launch plainly.
 inline constexpr int64_t kDependentLaunchMaxPairs = 16384;
 // The down GEMM's producer copies its first tile's weight tiles before it waits for the gate/up
 // GEMM (moe_gemm.cuh): they start streaming on each SM a gate/up CTA leaves.

@@ -156,11 +156,10 @@ bool align_in_one_block(int64_t num_chunks, int num_experts, int64_t max_padded)
 
 __global__ void __launch_bounds__(kScanThreads)
     moe_align_small(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
-                    int block_m, int pad, int64_t max_padded,
+                    int64_t num_chunks, int block_m, int pad, int64_t max_padded,
                     int32_t* __restrict__ sorted_token_ids, int32_t* __restrict__ expert_ids,
                     int32_t* __restrict__ num_tokens_post_padded) {
   __shared__ int32_t bins[kSmallBins];
-  const int64_t num_chunks = (num_pairs + kMoeAlignChunk - 1) / kMoeAlignChunk;
   for (int i = threadIdx.x; i < num_chunks * num_experts; i += kScanThreads) bins[i] = 0;
   for (int64_t row = threadIdx.x; row < max_padded; row += kScanThreads) {
     sorted_token_ids[row] = -1;
@@ -192,9 +191,9 @@ cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num
   const int pad = block_m * bpc;
   const int64_t num_chunks = moe_align_num_chunks(num_pairs);
   if (align_in_one_block(num_chunks, num_experts, max_padded)) {
-    moe_align_small<<<1, kScanThreads, 0, stream>>>(topk_ids, num_pairs, num_experts, block_m, pad,
-                                                    max_padded, sorted_token_ids, expert_ids,
-                                                    num_tokens_post_padded);
+    moe_align_small<<<1, kScanThreads, 0, stream>>>(topk_ids, num_pairs, num_experts, num_chunks,
+                                                    block_m, pad, max_padded, sorted_token_ids,
+                                                    expert_ids, num_tokens_post_padded);
     return cudaGetLastError();
   }
   // -1 everywhere first: padding rows and the tail past the padded total stay -1.
