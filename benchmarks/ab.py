@@ -154,7 +154,7 @@ def child(args):
         doc["build"].update(
             prime_kernels=prime_kernels.__file__,
             build_info=prime_kernels.build_info(),
-            commit=harness.git_commit(root),
+            commit=harness.git_commit(root, built_first=True),
         )
         if not os.path.samefile(pk_root, root):
             doc["error"] = f"prime_kernels was imported from {pk_root}, not {root}"
@@ -434,7 +434,10 @@ def parent(args):
     json_path = args.json or (os.path.join(out_dir, "ab.json") if out_dir else None)
     meta = harness.run_meta(args.argv)
     meta.update(
-        {side: {"path": str(p), "commit": harness.git_commit(p)} for side, p in paths.items()},
+        {
+            side: {"path": str(p), "commit": harness.git_commit(p, built_first=True)}
+            for side, p in paths.items()
+        },
         rounds=args.rounds,
         configs=args.configs_list,
         tokens=args.tokens_list,

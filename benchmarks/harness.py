@@ -276,12 +276,24 @@ def _git(root, *args):
     )
 
 
-def git_commit(root=ROOT) -> str:
+def built_commit(root) -> str | None:
+    """The commit the build in place under ``root`` recorded (setup.py's build info)."""
+    try:
+        built = json.loads((Path(root) / "prime_kernels" / "_build_info.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return f"{built['git_commit'][:12]} (build info)" if built.get("git_commit") else None
+
+
+def git_commit(root=ROOT, built_first=False) -> str:
     """PRIME_KERNELS_COMMIT when set (a copy of the tree whose .git is not its own);
     else the short HEAD (``-dirty`` with tracked changes) of the git checkout whose top is
     ``root``; else (a tree inside another checkout, or one without .git) the commit its
-    build recorded."""
+    build recorded. ``built_first``: the build's record before all of these (ab.py's trees,
+    each built with its own PRIME_KERNELS_COMMIT, timed under one environment)."""
     root = Path(root)
+    if built_first and built_commit(root):
+        return built_commit(root)
     env = os.environ.get("PRIME_KERNELS_COMMIT")
     if env:
         return env
@@ -294,13 +306,7 @@ def git_commit(root=ROOT) -> str:
                 return head + ("-dirty" if dirty.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    try:
-        built = json.loads((root / "prime_kernels" / "_build_info.json").read_text())
-        if built.get("git_commit"):
-            return f"{built['git_commit'][:12]} (build info)"
-    except (OSError, ValueError):
-        pass
-    return "unknown"
+    return built_commit(root) or "unknown"
 
 
 def gpu_driver() -> str | None:
