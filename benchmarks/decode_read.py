@@ -49,12 +49,7 @@ def main(argv=None):
     p.add_argument("--tokens", default="64")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--self-test", action="store_true")
-    p.add_argument("--warmup-ms", type=float, default=10.0)
-    p.add_argument("--rep-ms", type=float, default=50.0)
-    args = p.parse_args(argv)
-    device = torch.device("cpu" if args.self_test else "cuda")
-    timer = harness.Timer(device, args.warmup_ms, args.rep_ms)
+    args, device, timer = harness.standalone_timer(p, argv)
     if args.self_test:
         configs = SELF_TEST_CONFIGS
         keys = list(configs)

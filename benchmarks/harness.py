@@ -212,6 +212,20 @@ def ceilings_sentence(c) -> str:
 # --------------------------------------------------------------------------- memory
 
 
+def standalone_timer(parser, argv=None):
+    """For a benchmark script of its own: adds --self-test (CPU, toy shapes, no timing
+    claims), --warmup-ms and --rep-ms to ``parser`` and parses ``argv``. Returns (args,
+    device, Timer)."""
+    import torch
+
+    parser.add_argument("--self-test", action="store_true")
+    parser.add_argument("--warmup-ms", type=float, default=10.0)
+    parser.add_argument("--rep-ms", type=float, default=50.0)
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.self_test else "cuda")
+    return args, device, Timer(device, args.warmup_ms, args.rep_ms)
+
+
 def free_memory(device):
     import torch
 
@@ -292,8 +306,9 @@ def git_commit(root=ROOT, built_first=False) -> str:
     build recorded. ``built_first``: the build's record before all of these (ab.py's trees,
     each built with its own PRIME_KERNELS_COMMIT, timed under one environment)."""
     root = Path(root)
-    if built_first and built_commit(root):
-        return built_commit(root)
+    built = built_commit(root) if built_first else None
+    if built:
+        return built
     env = os.environ.get("PRIME_KERNELS_COMMIT")
     if env:
         return env

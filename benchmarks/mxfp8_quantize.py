@@ -56,12 +56,7 @@ def main(argv=None):
     from prime_kernels.flash_moe import mxfp8
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--self-test", action="store_true")
-    p.add_argument("--warmup-ms", type=float, default=10.0)
-    p.add_argument("--rep-ms", type=float, default=50.0)
-    args = p.parse_args(argv)
-    device = torch.device("cpu" if args.self_test else "cuda")
-    timer = harness.Timer(device, args.warmup_ms, args.rep_ms)
+    args, device, timer = harness.standalone_timer(p, argv)
     shapes = SELF_TEST_SHAPES if args.self_test else SHAPES
     if args.self_test:
         # the pure-PyTorch path: flash_moe's CUDA kernels are for CUDA tensors
