@@ -30,6 +30,17 @@ RATIO_TO_FLOOR = 1.5
 EMULATION_BAR = 3e-3
 
 
+# The two ways the op runs (fused_moe_mxfp8.cu), by the mean rows per routed expert: the fp8
+# weights widened in the GEMMs' registers (decode sizes), or widened to bf16 once by a pre-pass
+# (prefill sizes, above 256 rows an expert). PRIME_MOE_PRINT_CONFIG=1 names the one taken.
+PATH_MARKERS = {"registers": "widened to bf16 in registers", "widened": "widened to bf16 once"}
+
+
+def expect_path(capfd, path: str) -> None:
+    printed = capfd.readouterr().err
+    assert PATH_MARKERS[path] in printed, f"expected the {path} path, the op printed: {printed}"
+
+
 def emulation_bar(split: bool, k: int) -> float:
     return EMULATION_BAR if split else EMULATION_BAR * max(1.0, math.sqrt(k / 2))
 
@@ -154,6 +165,7 @@ def test_consumer_sequence(flash_moe, seed):
         (37, 128, 128, 4, 2, "uniform"),
         (9, 128, 128, 3, 1, "dropped"),
         (50, 256, 128, 8, 8, "zipf"),
+        (600, 128, 128, 2, 1, "uniform"),  # 300 rows an expert: the widened weights
     ],
 )
 def test_small_shapes_for_sanitizer(flash_moe, seed, split, T, D, H, E, k, kind):
@@ -171,24 +183,51 @@ def test_block_m_64(flash_moe, seed, split, block_n):
     check(flash_moe, inputs, split=split, block_m=64, block_n=block_n, warp_n=0, stages=0)
 
 
+@pytest.mark.parametrize(("path", "T"), [("registers", 300), ("widened", 1000)])
 @pytest.mark.parametrize(("block_m", "block_n"), [(64, 128), (64, 64), (128, 64), (128, 128)])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_tiles_and_partial_last_n_tile(flash_moe, seed, split, block_m, block_n):
-    """D = H = 384: at block_m = 64, block_n = 128 the down GEMM's last 256-wide n tile holds
-    128 rows of w2 and reads the last scale tile for the rest; block_n = 64 puts gate/up
-    tiles in the upper half of a 128-row scale tile."""
+def test_tiles_and_partial_last_n_tile(
+    flash_moe, seed, monkeypatch, capfd, split, block_m, block_n, path, T
+):
+    """D = H = 384: at block_m = 64, block_n = 128 the register path's down GEMM's last
+    256-wide n tile holds 128 rows of w2 and reads the last scale tile for the rest; block_n =
+    64 puts gate/up tiles in the upper half of a 128-row scale tile. The widened path's 192-wide
+    down tile leaves a partial last n tile at D = 384 too."""
     generator = torch.Generator().manual_seed(seed)
-    inputs = make_inputs(300, 384, 384, 8, 4, "uniform", generator)
+    inputs = make_inputs(T, 384, 384, 8, 4, "uniform", generator)
+    monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
     check(flash_moe, inputs, split=split, block_m=block_m, block_n=block_n, warp_n=0, stages=0)
+    expect_path(capfd, path)
 
 
+@pytest.mark.parametrize(
+    ("T", "E", "k", "path"),
+    [
+        (64, 128, 8, "registers"),  # Qwen3-30B-A3B's routing at decode: 4 rows an expert
+        (1024, 16, 4, "registers"),  # 256 rows an expert: the last size widened in registers
+        (1032, 16, 4, "widened"),
+        (4096, 8, 1, "widened"),
+        (2048, 256, 8, "registers"),
+    ],
+)
+def test_weights_widened_once_above_256_rows_an_expert(
+    flash_moe, seed, monkeypatch, capfd, T, E, k, path
+):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(T, 256, 128, E, k, "uniform", generator)
+    monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
+    check(flash_moe, inputs, split=True)
+    expect_path(capfd, path)
+
+
+@pytest.mark.parametrize("T", [1000, 2000], ids=["registers", "widened"])
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_poisoned_workspace(flash_moe, seed, split, block_m):
-    """The workspace (x dequantized, h, y, pair_to_row) comes from the caching allocator
-    unwritten: fill its free memory with NaN first; no NaN may reach out."""
+def test_poisoned_workspace(flash_moe, seed, split, block_m, T):
+    """The workspace (x dequantized, h, y, pair_to_row, the widened weights) comes from the
+    caching allocator unwritten: fill its free memory with NaN first; no NaN may reach out."""
     generator = torch.Generator().manual_seed(seed)
-    inputs = make_inputs(1000, 512, 256, 16, 4, "zipf", generator)
+    inputs = make_inputs(T, 512, 256, 16, 4, "zipf", generator)
     poison_allocator()
     check(flash_moe, inputs, split=split, block_m=block_m)
 
@@ -221,12 +260,13 @@ def test_split_is_bitwise_deterministic(flash_moe, seed):
         assert torch.equal(run_ours(flash_moe, ops, ids, weights, split=True), first)
 
 
+@pytest.mark.parametrize("T", [300, 1200], ids=["registers", "widened"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_nan_scale_poisons_exactly_its_token(flash_moe, seed, split):
+def test_nan_scale_poisons_exactly_its_token(flash_moe, seed, split, T):
     """A NaN scale (0xFF) makes its block NaN (mxfp8.py's policy): every output of that
     token is NaN (each h column reads all of x's row), every other token's is finite."""
     generator = torch.Generator().manual_seed(seed)
-    x, w, w2, ids, weights = make_inputs(300, 256, 128, 8, 2, "uniform", generator)
+    x, w, w2, ids, weights = make_inputs(T, 256, 128, 8, 2, "uniform", generator)
     ops, _ = quantize(flash_moe, x, w, w2)
     xs = ops[1].view(torch.uint8).clone()
     xs[17, 3] = 0xFF
@@ -268,10 +308,11 @@ def test_original_tuning_values(flash_moe, seed, split, block_n, warp_n, stages)
     assert reference.relative_error(out, emulated) <= emulation_bar(split, 4)
 
 
+@pytest.mark.parametrize("T", [1024, 2048], ids=["registers", "widened"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_cuda_graph_capture(flash_moe, seed, split):
+def test_cuda_graph_capture(flash_moe, seed, split, T):
     generator = torch.Generator().manual_seed(seed)
-    x, w, w2, ids, weights = make_inputs(1024, 512, 256, 16, 4, "uniform", generator)
+    x, w, w2, ids, weights = make_inputs(T, 512, 256, 16, 4, "uniform", generator)
     ops, (ws, w2s) = quantize(flash_moe, x, w, w2)
     out = torch.empty_like(x)
 
@@ -286,7 +327,7 @@ def test_cuda_graph_capture(flash_moe, seed, split):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    new_x, _, _, new_ids, _ = make_inputs(1024, 512, 256, 16, 4, "zipf", generator)
+    new_x, _, _, new_ids, _ = make_inputs(T, 512, 256, 16, 4, "zipf", generator)
     xq, xs = flash_moe.quantize_mxfp8(new_x)
     ops[0].copy_(xq)
     ops[1].copy_(xs)
@@ -354,18 +395,20 @@ def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
             assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("T", [300, 1200], ids=["registers", "widened"])
 @pytest.mark.parametrize("block_n", [64, 128], ids=["interleaved", "gate-up-blocks"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_weight_blocks_off_the_fast_path(flash_moe, seed, split, block_n):
+def test_weight_blocks_off_the_fast_path(flash_moe, seed, split, block_n, T):
     """The register widening's slow path inside the kernel (csrc/device/mxfp8_fragment.cuh):
     weight blocks whose scale is past 134 (2^(s - 7) is no bf16: here 135 and 140, with
     subnormal e4m3 values so the products stay moderate); and e4m3 NaN bytes under finite
     scales, which the fast path widens to finite values and the epilogues turn into NaN rows
     (mxfp8.py dequantizes them to NaN: every token routed to that expert is NaN), in a gate/up
     row of both gate/up tile layouts and in a down row. Against the exact-MX emulation of the
-    same bytes; the NaN pattern must match exactly."""
+    same bytes; the NaN pattern must match exactly. At T = 1200 (300 rows an expert) the same
+    bytes go through the widening pre-pass and the bf16 GEMMs."""
     generator = torch.Generator().manual_seed(seed)
-    T, D, H, E, k = 300, 256, 128, 8, 2
+    D, H, E, k = 256, 128, 8, 2
     x, w, w2, ids, weights = make_inputs(T, D, H, E, k, "uniform", generator)
     ops, (ws, w2s) = quantize(flash_moe, x, w, w2)
     wq, w2q = ops[2].view(torch.uint8).clone(), ops[4].view(torch.uint8).clone()

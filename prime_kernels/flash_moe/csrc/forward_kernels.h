@@ -6,7 +6,9 @@
 //   Mxfp8Weights  Mxfp8WeightTilesRS (raw e4m3 plus blocked scales into the stage, widened to
 //                 bf16 in the consumers' registers and fed as wgmma's register A operand: the
 //                 GEMMs compute out^T = w x^T, RegisterAConsumers), SwiGluToMxfp8: h
-//                 re-quantized to MXFP8, stored dequantized (the epilogues' transposed forms).
+//                 re-quantized to MXFP8, stored dequantized (the epilogues' transposed forms);
+//   Mxfp8WidenedWeights  MXFP8 weights widened to bf16 once, before the GEMMs (a pre-pass):
+//                 Bf16Weights' loader and tiles, SwiGluToMxfp8 in the bf16 layout.
 // The A side is the same for both: gate/up gathers bf16 token rows (x, or MXFP8 x dequantized
 // by a pre-pass), down reads the h workspace by TMA.
 //
@@ -70,6 +72,16 @@ struct Mxfp8Weights {
                                 uint32_t box_rows) {
     return prime_kernels::make_tma_2d_u8_sw64(map, w, rows, cols, box_rows);
   }
+};
+
+// MXFP8 weights widened once to bf16 by a pre-pass (mxfp8_dequantize.cuh) into the workspace, at
+// prefill sizes (fused_moe_mxfp8.cu says when): the bf16 forward's kernels on them, with h
+// re-quantized to MXFP8 (SwiGluToMxfp8 in the bf16 accumulators' layout).
+struct Mxfp8WidenedWeights : Bf16Weights {
+  static constexpr const char* kName = "fused_moe_mxfp8";
+  using GateUpEpilogue = SwiGluToMxfp8;
+  using GateUpKeepZEpilogue = void;  // no training forward keeps z from MXFP8 inputs
+  static constexpr bool kKeepsZ = false;
 };
 
 // Up to this many (token, expert) pairs the forward's kernels launch as programmatic dependents
@@ -199,6 +211,18 @@ inline constexpr int64_t kDecodeRowsPerExpert = 32;
 // that beats the 128-wide tiles' two m64 blocks of single steps (H200, T = 64 and 1024,
 // Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B: 2.4-11% less time, benchmarks/RESULTS.md).
 inline constexpr int64_t kRegisterANarrowRowsPerExpert = 256;
+// Mean rows per routed expert above which fused_moe_mxfp8 widens the weights to bf16 once, in a
+// pre-pass, and runs the bf16 kernels on them (Mxfp8WidenedWeights), instead of widening each
+// weight tile in registers for every token block that meets it. The pre-pass moves 3 bytes a
+// weight (e4m3 read, bf16 written) at the copy rate; the register widening costs the GEMMs
+// 1.4-1.6x bf16's time at T >= 8192 (H200, Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B,
+// benchmarks/RESULTS.md 2026-12-04), where the pre-pass is 5-10% of it.
+inline constexpr int64_t kMxfp8WidenRowsPerExpert = 256;
+inline bool mxfp8_widens_weights(const FusedMoeBf16Problem& problem) {
+  const int64_t pairs = problem.num_tokens * problem.top_k;
+  const int64_t routed = std::min(problem.num_experts, pairs);
+  return pairs > routed * kMxfp8WidenRowsPerExpert;
+}
 
 // The deepest ring the device's shared memory holds for this tile (0: not instantiated).
 template <class Weights>

@@ -1,24 +1,31 @@
 // Launcher of the MXFP8 fused MoE forward on sm_90a (host side of fused_moe_mxfp8.h): x is
 // dequantized to a bf16 workspace (mxfp8_dequantize.cuh), then forward_kernels.h's launch
-// sequence runs with MXFP8 weights (Mxfp8Weights). The hints' meaning is the bf16 forward's.
+// sequence runs on the MXFP8 weights in one of two ways, by the mean rows per routed expert
+// (forward::mxfp8_widens_weights). The hints' meaning is the bf16 forward's.
 //
-// Design (docs/flash_moe_mxfp8_design.md): both GEMMs compute out^T = w x^T with the weights as
-// wgmma's register A operand. The producer copies raw e4m3 weight tiles (TMA, 64-byte swizzle)
-// and their scale blocks into the stage, beside the token rows (gathered x for gate/up, h by TMA
-// for down); each consumer thread reads its fragment's bytes (LDS.U16), widens them exactly to
-// bf16 in registers (a bit move and one bf16x2 multiply, mxfp8_fragment.cuh) and issues wgmma
-// RS. fp8 is read once from shared memory and never written back as bf16, where the previous
-// path (widened to bf16 in shared memory, 0.56-0.67x of bf16; mxfp8_loaders.cuh) saturated
-// shared memory; a stage holds half of bf16's weight bytes, so the ring is deeper (6 stages of
-// 33 KB at 128 x (128 + 128)). The epilogues take the transposed accumulators (SwiGluToMxfp8,
-// StoreRows, WeightedAtomicAdd::store_transposed). Every instantiated tile runs this path. On
-// the H200 at Qwen3-30B-A3B T = 32768 it runs at 0.55-0.63x of the bf16 forward in two runs
-// (the previous path: ~0.50x). A tile's wgmmas multiply only the first 16, 32, 64 or 128 token
-// rows of its block, the fewest that cover its routed rows (tile_tokens, moe_gemm.cuh): at decode
-// sizes a block is a few tokens and then padding, and all 128 rows had cost more tensor time than
-// the fp8 stream takes at T = 64 (by arithmetic).
+// Decode sizes (at most kMxfp8WidenRowsPerExpert rows an expert): Mxfp8Weights (design:
+// docs/flash_moe_mxfp8_design.md). Both GEMMs compute out^T = w x^T with the weights as wgmma's
+// register A operand. The producer copies raw e4m3 weight tiles (TMA, 64-byte swizzle) and their
+// scale blocks into the stage, beside the token rows (gathered x for gate/up, h by TMA for down);
+// each consumer thread reads its fragment's bytes (LDS.U16), widens them exactly to bf16 in
+// registers (a bit move and one bf16x2 multiply, mxfp8_fragment.cuh) and issues wgmma RS. The
+// weights stream as fp8 (half of bf16's bytes), which is what a weight-bound call pays for. The
+// epilogues take the transposed accumulators (SwiGluToMxfp8, StoreRows,
+// WeightedAtomicAdd::store_transposed). A tile's wgmmas multiply only the first 16, 32, 64 or 128
+// token rows of its block, the fewest that cover its routed rows (tile_tokens, moe_gemm.cuh): at
+// decode sizes a block is a few tokens and then padding, and all 128 rows had cost more tensor
+// time than the fp8 stream takes at T = 64 (by arithmetic).
+//
+// Prefill sizes: Mxfp8WidenedWeights. The register widening is paid once per weight tile and
+// token block, and its instructions compete with the wgmmas' issue: 0.60-0.68x of the bf16
+// forward at T = 32768 (H200, Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B). Here a pre-pass
+// widens w and w2 once into bf16 workspaces (3 bytes a weight moved), and the bf16 forward's
+// kernels run on them, with SwiGluToMxfp8 re-quantizing h in the bf16 accumulators' layout. The
+// numbers are the same either way: exact bf16 products summed in fp32. The cost is workspace
+// memory: the weights' bf16 size, E * 3 * D * H * 2 bytes.
 #include "fused_moe_mxfp8.h"
 
+#include <algorithm>
 #include <string>
 
 #include "device/mxfp8_dequantize.cuh"
@@ -30,6 +37,7 @@ namespace prime_moe {
 namespace {
 
 using forward::Mxfp8Weights;
+using forward::Mxfp8WidenedWeights;
 
 // The problem's shapes and routing in the form the shared launch sequence reads (its x, w and
 // w2 are bf16-typed: the MXFP8 operands travel beside it).
@@ -55,11 +63,51 @@ size_t x_rows_bytes(const FusedMoeMxfp8Problem& pr) {
   return size_t(pr.num_tokens) * size_t(pr.dim) * sizeof(__nv_bfloat16);
 }
 
+// Calls f(Mxfp8WidenedWeights{}) or f(Mxfp8Weights{}): the weights policy this problem runs.
+template <class F>
+auto with_weights(const FusedMoeBf16Problem& shape, F&& f) {
+  return forward::mxfp8_widens_weights(shape) ? f(Mxfp8WidenedWeights{}) : f(Mxfp8Weights{});
+}
+
+// The widened weights, after the forward's workspace (prefill sizes only).
+struct WidenedWeights {
+  __nv_bfloat16* w;   // (E, 2H, D)
+  __nv_bfloat16* w2;  // (E, D, H)
+};
+
+size_t widened_w_bytes(const FusedMoeMxfp8Problem& pr) {
+  return align256(size_t(pr.num_experts * 2 * pr.hidden_dim) * size_t(pr.dim) * 2);
+}
+size_t widened_bytes(const FusedMoeMxfp8Problem& pr) {
+  return widened_w_bytes(pr) +
+         align256(size_t(pr.num_experts * pr.dim) * size_t(pr.hidden_dim) * 2);
+}
+
+WidenedWeights carve_widened(const FusedMoeMxfp8Problem& pr, uint8_t* base) {
+  return {reinterpret_cast<__nv_bfloat16*>(base),
+          reinterpret_cast<__nv_bfloat16*>(base + widened_w_bytes(pr))};
+}
+
+// Enqueues mxfp8_dequantize_kernel over (rows, K) values: a grid-stride loop past 2^20 blocks.
+template <bool kBlocked>
+cudaError_t widen(const uint8_t* values, const uint8_t* scales, __nv_bfloat16* out, int64_t rows,
+                  int64_t k, int64_t n_rows, cudaStream_t stream) {
+  const Mxfp8DequantizeParams p{values,     scales, out, rows * k / 16, int(k / kMxfp8ScaleBlock),
+                                int(n_rows)};
+  const int64_t blocks = (p.chunks + kMxfp8DequantizeThreads - 1) / kMxfp8DequantizeThreads;
+  mxfp8_dequantize_kernel<kBlocked>
+      <<<unsigned(std::min<int64_t>(blocks, 1 << 20)), kMxfp8DequantizeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 FusedMoeMxfp8Config resolve_fused_moe_mxfp8_config(const FusedMoeMxfp8Problem& problem,
                                                    const FusedMoeMxfp8Config& requested) {
-  return forward::resolve_config<Mxfp8Weights>(shape_of(problem), requested);
+  const FusedMoeBf16Problem shape = shape_of(problem);
+  return with_weights(shape, [&](auto weights) {
+    return forward::resolve_config<decltype(weights)>(shape, requested);
+  });
 }
 
 std::string check_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMoeMxfp8Config& c) {
@@ -73,43 +121,61 @@ std::string check_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMoe
            "; it must be a positive multiple of " + std::to_string(kMxfp8HiddenMultiple) +
            " (the blocked scale layout's 128-row tiles of w and 4-column tiles of w2's H/32)";
   const FusedMoeBf16Problem shape = shape_of(pr);
-  std::string error = forward::check_config<Mxfp8Weights>(shape, c, 4);
+  std::string error = with_weights(
+      shape, [&](auto weights) { return forward::check_config<decltype(weights)>(shape, c, 4); });
   if (!error.empty()) return error;
   if (pr.num_tokens > 0 &&
       (!aligned16(pr.x) || !aligned16(pr.w) || !aligned16(pr.w2) || !aligned16(pr.out) ||
        !aligned16(pr.w_scales) || !aligned16(pr.w2_scales)))
     return "x, w, w2, out, w_scales and w2_scales must be 16-byte aligned (TMA and 16-byte "
            "copies)";
-  return forward::check_ring<Mxfp8Weights>(shape, c);
+  return with_weights(
+      shape, [&](auto weights) { return forward::check_ring<decltype(weights)>(shape, c); });
 }
 
 size_t fused_moe_mxfp8_workspace_bytes(const FusedMoeMxfp8Problem& problem,
                                        const FusedMoeMxfp8Config& config) {
-  return forward::carve_workspace(shape_of(problem), config.split, x_rows_bytes(problem), nullptr)
-      .bytes;
+  const FusedMoeBf16Problem shape = shape_of(problem);
+  const size_t bytes =
+      forward::carve_workspace(shape, config.split, x_rows_bytes(problem), nullptr).bytes;
+  return bytes + (forward::mxfp8_widens_weights(shape) ? widened_bytes(problem) : 0);
 }
 
 cudaError_t launch_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMoeMxfp8Config& c,
                                    void* workspace, cudaStream_t stream) {
   if (pr.num_tokens == 0) return cudaSuccess;  // out is empty
   const FusedMoeBf16Problem shape = shape_of(pr);
-  if (!forward::launchable<Mxfp8Weights>(shape, c)) return cudaErrorInvalidValue;
   const forward::Workspace ws =
       forward::carve_workspace(shape, c.split, x_rows_bytes(pr), workspace);
-  const Mxfp8DequantizeParams dq{pr.x, pr.x_scales, ws.x_rows, pr.num_tokens * pr.dim / 16};
-  const int64_t grid = (dq.chunks + kMxfp8DequantizeThreads - 1) / kMxfp8DequantizeThreads;
-  mxfp8_dequantize_rows_kernel<<<unsigned(grid), kMxfp8DequantizeThreads, 0, stream>>>(dq);
-  const cudaError_t err = cudaGetLastError();
+  cudaError_t err = widen<false>(pr.x, pr.x_scales, ws.x_rows, pr.num_tokens, pr.dim, 0, stream);
   if (err != cudaSuccess) return err;
-  return forward::launch_forward<Mxfp8Weights>(
-      shape, ws.x_rows, {pr.w, pr.w2, pr.w_scales, pr.w2_scales}, c, ws, stream);
+  if (!forward::mxfp8_widens_weights(shape)) {
+    if (!forward::launchable<Mxfp8Weights>(shape, c)) return cudaErrorInvalidValue;
+    return forward::launch_forward<Mxfp8Weights>(
+        shape, ws.x_rows, {pr.w, pr.w2, pr.w_scales, pr.w2_scales}, c, ws, stream);
+  }
+  if (!forward::launchable<Mxfp8WidenedWeights>(shape, c)) return cudaErrorInvalidValue;
+  const int64_t E = pr.num_experts, D = pr.dim, H = pr.hidden_dim;
+  const WidenedWeights wide = carve_widened(pr, static_cast<uint8_t*>(workspace) + ws.bytes);
+  err = widen<true>(pr.w, pr.w_scales, wide.w, E * 2 * H, D, 2 * H, stream);
+  if (err != cudaSuccess) return err;
+  err = widen<true>(pr.w2, pr.w2_scales, wide.w2, E * D, H, D, stream);
+  if (err != cudaSuccess) return err;
+  return forward::launch_forward<Mxfp8WidenedWeights>(
+      shape, ws.x_rows, {wide.w, wide.w2, nullptr, nullptr}, c, ws, stream);
 }
 
 std::string describe_fused_moe_mxfp8_config(const FusedMoeMxfp8Problem& pr,
                                             const FusedMoeMxfp8Config& requested,
                                             const FusedMoeMxfp8Config& c) {
+  const FusedMoeBf16Problem shape = shape_of(pr);
+  if (forward::mxfp8_widens_weights(shape))
+    return forward::describe_config<Mxfp8WidenedWeights>(
+        shape, requested, c,
+        "x=dequantized pre-pass + gather, weights=widened to bf16 once by a pre-pass + TMA "
+        "(wgmma SS), h=MXFP8 re-quantized");
   return forward::describe_config<Mxfp8Weights>(
-      shape_of(pr), requested, c,
+      shape, requested, c,
       "x=dequantized pre-pass + gather, weights=fp8 TMA + scales widened to bf16 in registers "
       "(wgmma RS, out^T), h=MXFP8 re-quantized");
 }

@@ -8,10 +8,12 @@
 //                  is exact down to 2^-133 (mxfp8_loaders.cuh). A block holding NaN or +-Inf is
 //                  stored as NaN, as mxfp8.py's quantize then dequantize gives it.
 //
-// It takes the register-A GEMM's transposed accumulators (store_transposed). The consumer's
-// columns start on a multiple of 32 (block_n and its halves are), and so does H, so a block is
-// never split. Padding rows among the tile's first n_tokens hold zeros, as in SwiGluToH; rows
-// past them are not written (the down GEMM's tile of the same block does not multiply them).
+// It takes either accumulator layout: the bf16 GEMM's (store: weights widened to bf16 by a
+// pre-pass, tokens along wgmma's M) and the register-A GEMM's transposed one (store_transposed).
+// The consumer's columns start on a multiple of 32 (block_n and its halves are), and so does H,
+// so a block is never split. Padding rows hold zeros, as in SwiGluToH; in the transposed form rows
+// past the tile's first n_tokens are not written (the down GEMM's tile of the same block does
+// not multiply them).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,6 +33,74 @@ namespace prime_moe {
 struct SwiGluToMxfp8 {
   static constexpr int kNumB = 2;  // gate tile, up tile
   static constexpr bool kWritesPaddingRows = false;
+
+  // An h value's block scale and its stored (re-quantized, dequantized) bf16 pair, from the
+  // block's largest biased exponent (0xFF: the block holds NaN or +-Inf).
+  struct BlockScale {
+    bool bad;
+    float inv_scale, scale;
+    __device__ __forceinline__ explicit BlockScale(uint32_t exp)
+        : bad(exp == 0xFF),
+          inv_scale(mxfp8_pow2(127 - max(int(exp) - 8, 0))),  // exp <= 254: s <= 246
+          scale(mxfp8_pow2(max(int(exp) - 8, 0) - 127)) {}
+    __device__ __forceinline__ uint32_t pair(float h0, float h1) const {
+      const float v0 = fminf(fmaxf(__fmul_rn(h0, inv_scale), -448.f), 448.f);
+      const float v1 = fminf(fmaxf(__fmul_rn(h1, inv_scale), -448.f), 448.f);
+      const __nv_fp8x2_storage_t two =
+          __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+      return bad ? 0x7FC07FC0u : mxfp8_pair_to_bf16x2(two, scale);
+    }
+  };
+
+  __device__ __forceinline__ static float swiglu(float g, float u) {
+    return g / (1.0f + __expf(-g)) * u;
+  }
+  __device__ __forceinline__ static uint32_t biased_exponent(float v) {
+    return (__float_as_uint(v) >> 23) & 0xFF;
+  }
+
+  // The bf16 GEMM's accumulators (tokens along M; the flat tile's first half the gate columns,
+  // the second the up columns, as SwiGluToH). A row's 32-column group a is 8 values in each of
+  // the quad's 4 lanes (2 adjacent columns per 8-column step): its amax exponent is the lane's
+  // over two shuffles of the quad; then 16-byte stores after a quad transpose, as SwiGluToH.
+  template <int kMmas, int kRegs>
+  __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
+                                               const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
+                                               const MoeWorkTile& /*w*/, int row0, int col0) {
+    using namespace prime_kernels;
+    constexpr int kHalf = kMmas * kRegs / 2;  // flat offset of the up columns
+    constexpr int kGroups = kHalf * 2 / 32;   // 32-column groups (MXFP8 blocks) of the gate half
+    static_assert(kHalf * 2 % 32 == 0, "whole 32-column groups per warpgroup");
+    const int lane_col = 8 * (threadIdx.x % 4);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      __nv_bfloat16* dst = p.out + size_t(row0 + wgmma_acc_row(i)) * p.ld_out;
+#pragma unroll
+      for (int a = 0; a < kGroups; ++a) {
+        float h[8];
+        uint32_t exp = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int f = 4 * (4 * a + t) + 2 * i;
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            h[2 * t + c] = swiglu(wgmma_acc_at(acc, f + c), wgmma_acc_at(acc, kHalf + f + c));
+            exp = max(exp, biased_exponent(h[2 * t + c]));
+          }
+        }
+        exp = max(exp, __shfl_xor_sync(0xFFFFFFFFu, exp, 1));
+        exp = max(exp, __shfl_xor_sync(0xFFFFFFFFu, exp, 2));
+        const BlockScale block(exp);
+        uint32_t v[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) v[t] = block.pair(h[2 * t], h[2 * t + 1]);
+        quad_transpose(v);
+        const int col = col0 + 32 * a + lane_col;
+        if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
+        *reinterpret_cast<uint4*>(dst + col) = make_uint4(v[0], v[1], v[2], v[3]);
+      }
+    }
+  }
 
   // Register-A accumulators (RegisterAConsumers, tokens along wgmma's N). Two row layouts: split
   // rows (kMmas = 2: acc[0] the gate rows h = 16 w + g + 8 i, acc[1] the up rows of the same h,
@@ -77,11 +147,10 @@ struct SwiGluToMxfp8 {
         for (int c = 0; c < 2; ++c) {
           const float g = kInterleaved ? acc[0][4 * j + c] : acc[0][4 * j + 2 * i + c];
           const float u = kInterleaved ? acc[0][4 * j + 2 + c] : acc[kMmas - 1][4 * j + 2 * i + c];
-          hc[c] = nan_h[i] ? __int_as_float(0x7FC00000) : g / (1.0f + __expf(-g)) * u;
+          hc[c] = nan_h[i] ? __int_as_float(0x7FC00000) : swiglu(g, u);
         }
         h[j][i] = transposed_pair(hc[0], hc[1]);
-        ej = max(ej, max((__float_as_uint(h[j][i].x) >> 23) & 0xFF,
-                         (__float_as_uint(h[j][i].y) >> 23) & 0xFF));
+        ej = max(ej, max(biased_exponent(h[j][i].x), biased_exponent(h[j][i].y)));
       }
       e[j / 4] |= ej << (8 * (j % 4));
     }
@@ -107,22 +176,13 @@ struct SwiGluToMxfp8 {
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
       if (8 * j >= n_tokens) break;  // tokens the mainloop did not multiply: not stored
-      const uint32_t exp = (e[j / 4] >> (8 * (j % 4))) & 0xFF;
-      const bool bad = exp == 0xFF;
-      const int s = max(int(exp) - 8, 0);  // exp <= 254: s <= 246
-      const float inv_scale = mxfp8_pow2(127 - s);
-      const float scale = mxfp8_pow2(s - 127);
+      const BlockScale block((e[j / 4] >> (8 * (j % 4))) & 0xFF);
       __nv_bfloat16* dst = p.out + size_t(row0 + transposed_token(j)) * p.ld_out;
 #pragma unroll
       for (int i = 0; i < kHalves; ++i) {
         const int col = col0 + (kInterleaved ? 8 * warp + ((lane / 4) & ~1) : transposed_column(i));
         if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
-        const float v0 = fminf(fmaxf(__fmul_rn(h[j][i].x, inv_scale), -448.f), 448.f);
-        const float v1 = fminf(fmaxf(__fmul_rn(h[j][i].y, inv_scale), -448.f), 448.f);
-        const __nv_fp8x2_storage_t two =
-            __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
-        const uint32_t word = bad ? 0x7FC07FC0u : mxfp8_pair_to_bf16x2(two, scale);
-        *reinterpret_cast<uint32_t*>(dst + col) = word;
+        *reinterpret_cast<uint32_t*>(dst + col) = block.pair(h[j][i].x, h[j][i].y);
       }
     }
   }
