@@ -214,9 +214,12 @@ inline constexpr int64_t kRegisterANarrowRowsPerExpert = 256;
 // Mean rows per routed expert above which fused_moe_mxfp8 widens the weights to bf16 once, in a
 // pre-pass, and runs the bf16 kernels on them (Mxfp8WidenedWeights), instead of widening each
 // weight tile in registers for every token block that meets it. The pre-pass moves 3 bytes a
-// weight (e4m3 read, bf16 written) at the copy rate; the register widening costs the GEMMs
-// 1.4-1.6x bf16's time at T >= 8192 (H200, Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B,
-// benchmarks/RESULTS.md 2026-12-04), where the pre-pass is 5-10% of it.
+// weight (e4m3 read, bf16 written) at the copy rate, a fixed cost the register path does not pay;
+// the register widening's cost grows with the token blocks. H200 (benchmarks/RESULTS.md,
+// 2026-12-04 seventh session): at 256 rows an expert the register path takes 0.80-0.89x the
+// widened path's time (Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B, OLMoE, orig); at 512 the
+// widened path 0.91-0.97x the register path's (Qwen3, DeepSeek, Mixtral), at T = 32768 0.71x
+// (Qwen3).
 inline constexpr int64_t kMxfp8WidenRowsPerExpert = 256;
 inline bool mxfp8_widens_weights(const FusedMoeBf16Problem& problem) {
   const int64_t pairs = problem.num_tokens * problem.top_k;
