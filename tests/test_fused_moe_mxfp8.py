@@ -375,11 +375,12 @@ def test_opcheck(flash_moe, seed):
 
 
 @pytest.mark.sanitize
-def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
+@pytest.mark.parametrize("T", [100, 600], ids=["registers", "widened"])
+def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed, T):
     """Whatever sorted_token_ids and expert_ids hold, the kernels only touch valid memory
     (compute-sanitizer memcheck runs this); with random ids the numbers are unspecified."""
     generator = torch.Generator().manual_seed(seed)
-    x, w, w2, ids, weights = make_inputs(100, 128, 128, 4, 2, "uniform", generator)
+    x, w, w2, ids, weights = make_inputs(T, 128, 128, 4, 2, "uniform", generator)
     ops, _ = quantize(flash_moe, x, w, w2)
     sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 4)
     sorted_ids = torch.randint(-5, 10**6, sorted_ids.shape, dtype=torch.int32, device="cuda")

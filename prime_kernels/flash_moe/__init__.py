@@ -254,7 +254,9 @@ def fused_moe_mxfp8(
     accumulation. ``split`` and the hints as :func:`fused_moe_bf16`: the defaults are the
     original's (block_n 64, warp_n 4, stages 4), which take the tuned tile here; ``block_m``
     and ``bpc`` must be those given to :func:`moe_align`. Shapes:
-    :func:`unsupported_shape_reason` with ``mxfp8=True``."""
+    :func:`unsupported_shape_reason` with ``mxfp8=True``. Memory: above 256 rows per routed
+    expert on average (T*k / min(E, T*k)), the weights are widened once to bf16 in a workspace
+    of E*3*D*H*2 bytes (csrc/fused_moe_mxfp8.cu); up to that they stream as fp8."""
     # The stable ABI does not name e8m0: the op takes the scales' bits (same bytes, a view).
     torch.ops.prime_moe.fused_moe_mxfp8(
         x,
