@@ -191,8 +191,8 @@ def test_tiles_and_partial_last_n_tile(
 ):
     """D = H = 384: at block_m = 64, block_n = 128 the register path's down GEMM's last
     256-wide n tile holds 128 rows of w2 and reads the last scale tile for the rest; block_n =
-    64 puts gate/up tiles in the upper half of a 128-row scale tile. The widened path's 192-wide
-    down tile leaves a partial last n tile at D = 384 too."""
+    64 puts gate/up tiles in the upper half of a 128-row scale tile. On the widened path (bf16
+    tiles) block_m = 64, block_n = 128 gives the same partial 256-wide down tile."""
     generator = torch.Generator().manual_seed(seed)
     inputs = make_inputs(T, 384, 384, 8, 4, "uniform", generator)
     monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")

@@ -231,7 +231,7 @@ def moe_mxfp8_emulation(
     row-major scales (..., K/32) (unpack blocked ones first). Every value times its scale
     exactly (fp32); gate/up in fp32; h = silu(g) * u re-quantized to MXFP8 per 32 along H
     (:func:`mxfp8.quantize_mxfp8` rounding "floor") and dequantized, then rounded to bf16 as
-    the kernel stores it (exact but below 2^-133); the down projection in fp32; then with
+    the kernel stores it (exact but below about 2^-130); the down projection in fp32; then with
     ``split`` each pair's y rounded to bf16 (the kernel's y workspace) times the routing weight,
     without it bf16(weight * y) (what the kernel adds into out with bf16 atomics, whose
     roundings of the partial sums depend on the order and are not modelled), summed in fp32,

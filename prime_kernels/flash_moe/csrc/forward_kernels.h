@@ -94,7 +94,9 @@ struct Mxfp8WidenedWeights : Bf16Weights {
 // launch plainly.
 inline constexpr int64_t kDependentLaunchMaxPairs = 16384;
 // The down GEMM's producer copies its first tile's weight tiles before it waits for the gate/up
-// GEMM (moe_gemm.cuh): they start streaming on each SM a gate/up CTA leaves.
+// GEMM (moe_gemm.cuh): they start streaming on each SM a gate/up CTA leaves. Sound while every
+// kernel that writes the weights (fused_moe_mxfp8's widening pre-pass) runs before the gate/up
+// GEMM's wait returns: launched plainly ahead of it, never as a dependent of it.
 inline constexpr bool kDownBBeforeWait = true;
 
 // The forward's kernels for one gate/up tile of block_m x block_n.

@@ -30,10 +30,11 @@
 // before it waits for the kernel ahead of it, and lets the next kernel launch right after that
 // wait. kBBeforeWait (the forward's down GEMM, launched right after its gate/up GEMM) goes
 // further: the producer copies the B (weight) tiles of its first tile's first stages before the
-// wait, since nothing ahead writes the weights; only A (h) waits. The routing it reads to find
-// that tile was complete when the gate/up GEMM passed its own wait, before it let this kernel
-// launch. At decode sizes the weight stream of the down GEMM then starts on each SM as soon as
-// a gate/up CTA leaves it.
+// wait; only A (h) waits. The weights and the routing it reads to find that tile were complete
+// when the gate/up GEMM passed its own wait, before it let this kernel launch: whatever wrote
+// them (moe_align; fused_moe_mxfp8's widening pre-pass, a plain launch ahead of the gate/up
+// GEMM) finished before that wait returned. At decode sizes the weight stream of the down GEMM then
+// starts on each SM as soon as a gate/up CTA leaves it.
 #pragma once
 
 #include <cuda.h>

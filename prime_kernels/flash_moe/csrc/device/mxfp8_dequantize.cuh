@@ -1,6 +1,6 @@
 // The MXFP8 forward's widening pre-passes: e4m3 (rows, K) values and their e8m0 scales (one per
 // 32 consecutive elements of a row) to a bf16 (rows, K) workspace, each element
-// value * 2^(s - 127), exact down to 2^-133 (mxfp8_loaders.cuh); a scale byte 0xFF makes its
+// value * 2^(s - 127), exact above about 2^-130 (mxfp8_loaders.cuh); a scale byte 0xFF makes its
 // block NaN, an e4m3 NaN byte its element.
 //   x (always): row-major scales. The gate/up GEMM then gathers token rows from the workspace as
 //     the bf16 forward gathers them from x: the gather is per row and needs no per-K-step scale,

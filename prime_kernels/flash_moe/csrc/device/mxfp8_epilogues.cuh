@@ -5,7 +5,7 @@
 //                  mxfp8.py, rounding "floor"): s = biased exponent of the block's amax - 8,
 //                  clamped to [0, 254]; value = e4m3 (round to nearest even, saturating) of
 //                  clamp(h * 2^(127 - s), +-448); h stored as bf16(value * 2^(s - 127)), which
-//                  is exact down to 2^-133 (mxfp8_loaders.cuh). A block holding NaN or +-Inf is
+//                  is exact above about 2^-130 (mxfp8_loaders.cuh). A block holding NaN or +-Inf is
 //                  stored as NaN, as mxfp8.py's quantize then dequantize gives it.
 //
 // It takes either accumulator layout: the bf16 GEMM's (store: weights widened to bf16 by a

@@ -1,8 +1,8 @@
 // MXFP8 weights widened in registers: e4m3 bytes and their e8m0 scales into the bf16x2 A
 // fragment of a register-A wgmma (WgmmaBf16RS, wgmma.cuh), exactly as mxfp8.py dequantizes them
-// (each value is e4m3 x 2^(s - 127), rounded once to bf16; that rounding only acts below 2^-133,
-// bf16's subnormal step, and is round-to-nearest-even as in mxfp8_loaders.cuh's
-// mxfp8_pair_to_bf16x2).
+// (each value is e4m3 x 2^(s - 127), rounded once to bf16; that rounding only acts below about
+// 2^-130, where bf16's subnormals (steps of 2^-133) hold fewer than 4 significant bits, and is
+// round-to-nearest-even as in mxfp8_loaders.cuh's mxfp8_pair_to_bf16x2).
 //
 // The fragment of one k16 step and 64 weight rows (wgmma.cuh's WgmmaBf16RS layout): thread (warp
 // w, lane l, g = l / 4, q = l % 4) holds rows r0 = 16w + g and r1 = r0 + 8, columns 2q, 2q + 1
@@ -15,8 +15,8 @@
 // its exponent and top of its mantissa give the bf16 of value x 2^-120 exactly (e4m3's bias is
 // 7, bf16's 127; an e4m3 subnormal, exponent 0, becomes the bf16 subnormal of the same value x
 // 2^-120). One bf16x2 multiply (mul.rn.bf16x2, HMUL2.BF16) by 2^(s - 7), the bf16 word with
-// exponent field s + 120, then gives value x 2^(s - 127) rounded once: exact unless below 2^-133,
-// where it rounds to nearest even like the fp32 route. 2^(s - 7) is a normal bf16 for s in
+// exponent field s + 120, then gives value x 2^(s - 127) rounded once: exact unless below about
+// 2^-130, where it rounds to nearest even like the fp32 route. 2^(s - 7) is a normal bf16 for s in
 // [0, 134] (exponent field 120 .. 254); the product cannot overflow there (448 x 2^7).
 //
 // Slow path (per thread, per fragment): a scale above 134 (2^(s - 7) overflows bf16) or a NaN

@@ -9,8 +9,9 @@
 // way measured 3.0-3.2e-3 against the exact-MX emulation, over the contract's 3e-3
 // (docs/flash_moe_mxfp8_design.md section 5). Every e4m3 value times a power-of-two scale
 // is exact in bf16 (3 mantissa bits in 7; bf16 has fp32's exponent range), except products
-// below 2^-133 (bf16's smallest subnormal step: an e4m3 subnormal at scale 2^-127 and the like),
-// which round to nearest even. So the weights travel as fp8 (half of bf16's bytes) and are
+// below about 2^-130, where bf16's subnormals (steps of 2^-133) hold fewer than e4m3's 4
+// significant bits (an e4m3 subnormal at scale 2^-127 and the like): those round to nearest
+// even, as the reference rounds them. So the weights travel as fp8 (half of bf16's bytes) and are
 // widened to bf16 in the consumers' registers, as wgmma's register A operand (out^T = w x^T).
 //
 // Scales: expert e's (MN, K/32) scales in the blocked layout (mxfp8.pack_scales_blocked): scale
@@ -52,7 +53,7 @@ __device__ __forceinline__ float mxfp8_scale_value(uint32_t s) {
 
 // Two e4m3 values (the low byte first) times `scale`, as a bf16x2 word (the low half first):
 // e4m3 -> fp16 -> fp32 are exact, the product is exact in fp32 (a power-of-two scale; no flush
-// to zero in this build), the bf16 rounding is exact down to 2^-133.
+// to zero in this build), the bf16 rounding is exact above about 2^-130 (steps of 2^-133 below).
 __device__ __forceinline__ uint32_t mxfp8_pair_to_bf16x2(uint32_t two, float scale) {
   const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two), __NV_E4M3);
   const float2 f = __half22float2(__half2(raw));
