@@ -86,6 +86,29 @@ __device__ __forceinline__ void quad_row_group(const float (&acc)[kMmas][kRegs],
   quad_transpose(v);
 }
 
+// A warpgroup's bf16 tile into rows of p.out (p.ld_out apart) from row0, col0: for row half i and
+// 32-column group a, words(i, a, v) gives the 4 bf16x2 words lane q stores after its quad
+// transpose (quad_row_group's layout: columns 32 a + 8 q .. + 8), one 16-byte store a lane, so a
+// warp's accesses cover whole 32-byte sectors of its rows. Every lane must run it (the words
+// shuffle the whole warp); columns past p.n_dim (a partial last n tile) are not stored.
+template <int kGroups, class Words>
+__device__ __forceinline__ void store_row_groups(const MoeGemmParams& p, int row0, int col0,
+                                                 Words&& words) {
+  const int lane_col = 8 * (threadIdx.x % 4);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    __nv_bfloat16* dst = p.out + size_t(row0 + prime_kernels::wgmma_acc_row(i)) * p.ld_out;
+#pragma unroll
+    for (int a = 0; a < kGroups; ++a) {
+      uint32_t v[4];
+      words(i, a, v);
+      const int col = col0 + 32 * a + lane_col;
+      if (col >= p.n_dim) continue;
+      *reinterpret_cast<uint4*>(dst + col) = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+  }
+}
+
 // Register-A accumulators (RegisterAConsumers: out^T, an m64 block's rows are 64 output columns,
 // its wgmma columns the warpgroup's tokens) regrouped for row-major stores: lanes g and g ^ 1 of
 // a column (lane / 4) swap one value per register pair, after which the even lane holds token
@@ -184,21 +207,8 @@ struct StoreRows {
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
                                                const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
                                                const MoeWorkTile& /*w*/, int row0, int col0) {
-    using namespace prime_kernels;
-    constexpr int kGroups = kMmas * kRegs * 2 / 32;
-    const int lane_col = 8 * (threadIdx.x % 4);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      __nv_bfloat16* dst = p.out + size_t(row0 + wgmma_acc_row(i)) * p.ld_out;
-#pragma unroll
-      for (int a = 0; a < kGroups; ++a) {
-        uint32_t v[4];
-        quad_row_group(acc, i, a, 1.0f, v);
-        const int col = col0 + 32 * a + lane_col;
-        if (col >= p.n_dim) continue;  // partial last n tile (D % block_n != 0)
-        *reinterpret_cast<uint4*>(dst + col) = make_uint4(v[0], v[1], v[2], v[3]);
-      }
-    }
+    store_row_groups<kMmas * kRegs * 2 / 32>(
+        p, row0, col0, [&](int i, int a, uint32_t(&v)[4]) { quad_row_group(acc, i, a, 1.0f, v); });
   }
 
   // Register-A accumulators (acc[mh]: output columns col0 + 64 mh .., tokens row0 ..): a

@@ -66,44 +66,34 @@ struct SwiGluToMxfp8 {
   // The bf16 GEMM's accumulators (tokens along M; the flat tile's first half the gate columns,
   // the second the up columns, as SwiGluToH). A row's 32-column group a is 8 values in each of
   // the quad's 4 lanes (2 adjacent columns per 8-column step): its amax exponent is the lane's
-  // over two shuffles of the quad; then 16-byte stores after a quad transpose, as SwiGluToH.
+  // over two shuffles of the quad; then the rows' 16-byte stores (store_row_groups).
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store(const MoeGemmParams& p, int /*npp*/,
                                                const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
                                                const MoeWorkTile& /*w*/, int row0, int col0) {
     using namespace prime_kernels;
     constexpr int kHalf = kMmas * kRegs / 2;  // flat offset of the up columns
-    constexpr int kGroups = kHalf * 2 / 32;   // 32-column groups (MXFP8 blocks) of the gate half
     static_assert(kHalf * 2 % 32 == 0, "whole 32-column groups per warpgroup");
-    const int lane_col = 8 * (threadIdx.x % 4);
+    // 32-column groups (MXFP8 blocks) of the gate half
+    store_row_groups<kHalf * 2 / 32>(p, row0, col0, [&](int i, int a, uint32_t(&v)[4]) {
+      float h[8];
+      uint32_t exp = 0;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      __nv_bfloat16* dst = p.out + size_t(row0 + wgmma_acc_row(i)) * p.ld_out;
+      for (int t = 0; t < 4; ++t) {
+        const int f = 4 * (4 * a + t) + 2 * i;
 #pragma unroll
-      for (int a = 0; a < kGroups; ++a) {
-        float h[8];
-        uint32_t exp = 0;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const int f = 4 * (4 * a + t) + 2 * i;
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            h[2 * t + c] = swiglu(wgmma_acc_at(acc, f + c), wgmma_acc_at(acc, kHalf + f + c));
-            exp = max(exp, biased_exponent(h[2 * t + c]));
-          }
+        for (int c = 0; c < 2; ++c) {
+          h[2 * t + c] = swiglu(wgmma_acc_at(acc, f + c), wgmma_acc_at(acc, kHalf + f + c));
+          exp = max(exp, biased_exponent(h[2 * t + c]));
         }
-        exp = max(exp, __shfl_xor_sync(0xFFFFFFFFu, exp, 1));
-        exp = max(exp, __shfl_xor_sync(0xFFFFFFFFu, exp, 2));
-        const BlockScale block(exp);
-        uint32_t v[4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) v[t] = block.pair(h[2 * t], h[2 * t + 1]);
-        quad_transpose(v);
-        const int col = col0 + 32 * a + lane_col;
-        if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
-        *reinterpret_cast<uint4*>(dst + col) = make_uint4(v[0], v[1], v[2], v[3]);
       }
-    }
+      exp = max(exp, __shfl_xor_sync(0xFFFFFFFFu, exp, 1));
+      exp = max(exp, __shfl_xor_sync(0xFFFFFFFFu, exp, 2));
+      const BlockScale block(exp);
+#pragma unroll
+      for (int t = 0; t < 4; ++t) v[t] = block.pair(h[2 * t], h[2 * t + 1]);
+      quad_transpose(v);
+    });
   }
 
   // Register-A accumulators (RegisterAConsumers, tokens along wgmma's N). Two row layouts: split
