@@ -132,6 +132,10 @@ struct SwiGluToMxfp8 {
     uint32_t e[kWords] = {};
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
+      // Tokens the mainloop did not multiply (n_tokens is the warpgroup's: the shuffles below
+      // stay whole-warp): no SwiGLU, and their exponent bytes stay 0. At decode sizes that is
+      // 7 of 8 steps of a 128-row block (n_tokens = 16).
+      if (8 * j >= n_tokens) break;
       uint32_t ej = 0;
 #pragma unroll
       for (int i = 0; i < kHalves; ++i) {
