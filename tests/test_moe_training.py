@@ -431,14 +431,16 @@ def test_no_tokens(flash_moe):
     [
         (512, 256, 128, 4, 2, "softmax"),  # the consumer's shape and routing
         (1000, 512, 256, 16, 4, "dropped"),
-        (300, 256, 128, 16, 16, "uniform"),
+        (300, 256, 128, 16, 16, "uniform"),  # 300 rows an expert: the widened weights
+        (1200, 256, 128, 4, 2, "softmax"),  # the consumer's routing at 600 rows an expert
     ],
 )
 def test_mxfp8_forward_and_gradients(flash_moe, seed, T, D, H, E, k, kind):
     """moe(mxfp8=True): out is fused_moe_mxfp8's on x, w and w2 quantized as the consumer
-    quantizes them (RCEIL, weights' scales blocked), bit for bit; the gradients are the bf16
-    layer's at the unquantized inputs, bit for bit those of moe(mxfp8=False), and a frozen
-    input gets none."""
+    quantizes them (RCEIL, weights' scales blocked), bit for bit (above 256 rows an expert it
+    quantizes and widens them back in one pass and runs the widened path's kernels on the bf16
+    values); the gradients are the bf16 layer's at the unquantized inputs, bit for bit those of
+    moe(mxfp8=False), and a frozen input gets none."""
     inputs, grad_out = make_inputs(T, D, H, E, k, kind, seed)
     x, w, w2, ids, weights = inputs
     out, grads = run_moe(flash_moe, inputs, grad_out, mxfp8=True)

@@ -75,6 +75,17 @@ def test_small_for_sanitizer(flash_moe, seed):
     assert torch.equal(bits(scales).cpu(), bits(want_scales))
 
 
+def test_unaligned_view_is_refused(flash_moe):
+    """The kernel reads x in 16-byte vectors: a contiguous view that starts 2 bytes into its
+    storage is refused before any launch, naming x and what to do."""
+    x = torch.randn(4 * 64 + 1, device="cuda").bfloat16()[1:].view(4, 64)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    with pytest.raises(RuntimeError, match="argument 'x' must start on a 16-byte boundary"):
+        flash_moe.quantize_mxfp8(x)
+    values, _ = flash_moe.quantize_mxfp8(x.clone())
+    assert values.shape == x.shape
+
+
 def test_no_rows(flash_moe):
     values, scales = flash_moe.quantize_mxfp8(torch.empty(0, 64, dtype=torch.bfloat16).cuda())
     assert values.shape == (0, 64) and scales.shape == (0, 2)

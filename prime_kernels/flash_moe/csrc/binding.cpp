@@ -488,6 +488,11 @@ std::tuple<Tensor, Tensor> quantize_mxfp8(Tensor x, bool rceil, bool blocked) {
          "pad first");
   }
   if (!x.is_cuda()) fail(op, "argument 'x' must be on a CUDA device, got a CPU tensor");
+  if (reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) {
+    fail(op,
+         "argument 'x' must start on a 16-byte boundary (the kernel reads 16-byte vectors), "
+         "got a view whose data does not; pass x.clone()");
+  }
   const int32_t device = x.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
   std::vector<int64_t> value_shape, scale_shape;
@@ -511,7 +516,8 @@ std::tuple<Tensor, Tensor> quantize_mxfp8(Tensor x, bool rceil, bool blocked) {
 
 // The MXFP8 training forward (flash_moe.moe(mxfp8=True)): x, w and w2 quantized as the
 // consumer quantizes them (per 32 along each GEMM's K, RCEIL scales, the weights' scales
-// blocked), then fused_moe_mxfp8's deterministic split path into a new out. Nothing is kept:
+// blocked), then fused_moe_mxfp8's deterministic split path into a new out (at prefill sizes
+// on the round-tripped bf16 values, which is what that path computes with). Nothing is kept:
 // the backward (registered in Python) runs moe_forward in bf16 again for what moe_backward
 // reads, and so differentiates the bf16 layer at the unquantized weights, as the consumer's
 // MXFP8 backward does.
@@ -525,6 +531,53 @@ Tensor moe_forward_mxfp8(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids,
   torch::stable::accelerator::DeviceGuard guard(problem.device);
   Tensor out = torch::stable::new_empty(x, {problem.num_tokens, problem.dim});
   if (problem.num_tokens == 0) return out;  // nothing to quantize or write
+  // The op's shapes and x, w, w2 (bf16 here: the launchers read 16-byte vectors of both), for
+  // fused_moe_mxfp8's checks and path.
+  FusedMoeMxfp8Problem shape{};
+  shape.x = static_cast<const uint8_t*>(x.const_data_ptr());
+  shape.w = static_cast<const uint8_t*>(w.const_data_ptr());
+  shape.w2 = static_cast<const uint8_t*>(w2.const_data_ptr());
+  shape.out = static_cast<__nv_bfloat16*>(out.mutable_data_ptr());
+  shape.num_tokens = problem.num_tokens;
+  shape.dim = problem.dim;
+  shape.hidden_dim = problem.hidden_dim;
+  shape.num_experts = problem.num_experts;
+  shape.top_k = problem.top_k;
+  shape.max_padded = problem.max_padded;
+  shape.block_m = problem.block_m;
+  shape.device = problem.device;
+  const FusedMoeMxfp8Config requested{};  // the tuned choice of every hint, split
+  const std::string error = check_fused_moe_mxfp8(shape, requested);
+  if (!error.empty()) fail(op, error);
+  if (fused_moe_mxfp8_widens_weights(shape)) {
+    // Prefill sizes: fused_moe_mxfp8 would widen its quantized operands to bf16 first; quantize and
+    // widen back in one pass each (4 bytes an element moved instead of 6), then its kernels.
+    const FusedMoeMxfp8Config config = resolve_fused_moe_mxfp8_config(shape, requested);
+    const cudaStream_t stream = current_stream(problem.device);
+    FusedMoeBf16Problem wide = problem;
+    const auto round_trip = [&](const Tensor& t, int64_t rows, int64_t k) {
+      Tensor r = torch::stable::new_empty(t, {t.numel()});
+      check_cuda(op, launch_mxfp8_round_trip(static_cast<const __nv_bfloat16*>(t.const_data_ptr()),
+                                             static_cast<__nv_bfloat16*>(r.mutable_data_ptr()),
+                                             rows, k, stream));
+      return r;
+    };
+    const int64_t T = problem.num_tokens, D = problem.dim, H = problem.hidden_dim;
+    const int64_t E = problem.num_experts;
+    const Tensor x_wide = round_trip(x, T, D), w_wide = round_trip(w, E * 2 * H, D),
+                 w2_wide = round_trip(w2, E * D, H);
+    wide.x = static_cast<const __nv_bfloat16*>(x_wide.const_data_ptr());
+    wide.w = static_cast<const __nv_bfloat16*>(w_wide.const_data_ptr());
+    wide.w2 = static_cast<const __nv_bfloat16*>(w2_wide.const_data_ptr());
+    wide.out = static_cast<__nv_bfloat16*>(out.mutable_data_ptr());
+    const int64_t workspace_bytes =
+        static_cast<int64_t>(fused_moe_mxfp8_widened_workspace_bytes(wide, config));
+    Tensor workspace = torch::stable::new_empty(out, {workspace_bytes > 0 ? workspace_bytes : 1},
+                                                ScalarType::Byte);
+    check_cuda(op,
+               launch_fused_moe_mxfp8_widened(wide, config, workspace.mutable_data_ptr(), stream));
+    return out;
+  }
   auto [x_values, x_scales] = quantize_mxfp8(x, true, false);
   auto [w_values, w_scales] = quantize_mxfp8(w, true, true);
   auto [w2_values, w2_scales] = quantize_mxfp8(w2, true, true);

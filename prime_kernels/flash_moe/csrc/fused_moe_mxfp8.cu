@@ -165,6 +165,26 @@ cudaError_t launch_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMo
       shape, ws.x_rows, {wide.w, wide.w2, nullptr, nullptr}, c, ws, stream);
 }
 
+bool fused_moe_mxfp8_widens_weights(const FusedMoeMxfp8Problem& problem) {
+  return forward::mxfp8_widens_weights(shape_of(problem));
+}
+
+size_t fused_moe_mxfp8_widened_workspace_bytes(const FusedMoeBf16Problem& problem,
+                                               const FusedMoeMxfp8Config& config) {
+  return forward::carve_workspace(problem, config.split, 0, nullptr).bytes;
+}
+
+cudaError_t launch_fused_moe_mxfp8_widened(const FusedMoeBf16Problem& pr,
+                                           const FusedMoeMxfp8Config& c, void* workspace,
+                                           cudaStream_t stream) {
+  if (pr.num_tokens == 0) return cudaSuccess;  // out is empty
+  if (!forward::mxfp8_widens_weights(pr) || !forward::launchable<Mxfp8WidenedWeights>(pr, c))
+    return cudaErrorInvalidValue;
+  const forward::Workspace ws = forward::carve_workspace(pr, c.split, 0, workspace);
+  return forward::launch_forward<Mxfp8WidenedWeights>(pr, pr.x, {pr.w, pr.w2, nullptr, nullptr}, c,
+                                                      ws, stream);
+}
+
 std::string describe_fused_moe_mxfp8_config(const FusedMoeMxfp8Problem& pr,
                                             const FusedMoeMxfp8Config& requested,
                                             const FusedMoeMxfp8Config& c) {

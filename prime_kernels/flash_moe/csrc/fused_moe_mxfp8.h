@@ -56,6 +56,21 @@ cudaError_t launch_fused_moe_mxfp8(const FusedMoeMxfp8Problem& problem,
                                    const FusedMoeMxfp8Config& config, void* workspace,
                                    cudaStream_t stream);
 
+// Whether the forward widens the weights to bf16 once, by a pre-pass (prefill sizes: more than
+// forward_kernels.h's kMxfp8WidenRowsPerExpert rows per routed expert), or in registers.
+bool fused_moe_mxfp8_widens_weights(const FusedMoeMxfp8Problem& problem);
+
+// The widened path on operands already widened to bf16: problem.x, w, w2 hold each MXFP8 value
+// times its scale (launch_mxfp8_round_trip makes them from bf16 tensors: the MXFP8 training
+// forward). Only where fused_moe_mxfp8_widens_weights holds for the same shapes; config as
+// resolve_fused_moe_mxfp8_config resolves it for them. Same outputs as launch_fused_moe_mxfp8 on
+// the quantized operands, without its pre-passes.
+size_t fused_moe_mxfp8_widened_workspace_bytes(const FusedMoeBf16Problem& problem,
+                                               const FusedMoeMxfp8Config& config);
+cudaError_t launch_fused_moe_mxfp8_widened(const FusedMoeBf16Problem& problem,
+                                           const FusedMoeMxfp8Config& config, void* workspace,
+                                           cudaStream_t stream);
+
 // One line: the resolved config, and what each hint became (PRIME_MOE_PRINT_CONFIG=1).
 std::string describe_fused_moe_mxfp8_config(const FusedMoeMxfp8Problem& problem,
                                             const FusedMoeMxfp8Config& requested,

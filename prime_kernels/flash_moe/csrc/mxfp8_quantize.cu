@@ -1,10 +1,13 @@
-// Launchers of the MXFP8 quantizers, one thread per 32-element block (mxfp8_quantize.cuh), and of
-// the blocked scale layout's permutation (mxfp8_scales.cuh).
+// Launchers of the MXFP8 quantizers, one thread per 32-element block (mxfp8_quantize.cuh), of the
+// training forward's quantize-and-widen pass (mxfp8_round_trip.cuh) and of the blocked scale
+// layout's permutation (mxfp8_scales.cuh).
 #include "mxfp8_quantize.h"
 
+#include <algorithm>
 #include <climits>
 
 #include "device/mxfp8_quantize.cuh"
+#include "device/mxfp8_round_trip.cuh"
 #include "device/mxfp8_scales.cuh"
 
 namespace prime_moe {
@@ -27,6 +30,16 @@ cudaError_t launch_mxfp8_quantize(const __nv_bfloat16* x, uint8_t* values, uint8
   } else {
     mxfp8_quantize_kernel<false, false><<<g, kMxfp8QuantizeThreads, 0, stream>>>(p);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_mxfp8_round_trip(const __nv_bfloat16* x, __nv_bfloat16* out, int64_t rows,
+                                    int64_t k, cudaStream_t stream) {
+  const Mxfp8RoundTripParams p{x, out, rows * (k / 32)};
+  if (p.blocks == 0) return cudaSuccess;
+  const int64_t grid = (p.blocks + kMxfp8RoundTripThreads - 1) / kMxfp8RoundTripThreads;
+  mxfp8_round_trip_kernel<<<unsigned(std::min<int64_t>(grid, 1 << 20)), kMxfp8RoundTripThreads, 0,
+                            stream>>>(p);
   return cudaGetLastError();
 }
 

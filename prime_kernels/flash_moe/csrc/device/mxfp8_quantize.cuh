@@ -43,12 +43,10 @@ __device__ __forceinline__ int64_t mxfp8_blocked_offset(int r, int c, int k_bloc
          c % 4;
 }
 
-template <bool kRceil, bool kBlocked>
-__global__ void __launch_bounds__(kMxfp8QuantizeThreads)
-    mxfp8_quantize_kernel(const Mxfp8QuantizeParams p) {
-  const int64_t block = int64_t(blockIdx.x) * kMxfp8QuantizeThreads + threadIdx.x;
-  if (block >= p.rows * p.k_blocks) return;
-  const uint4* src = reinterpret_cast<const uint4*>(p.x) + block * 4;
+// One block of 32 bf16 values (four 16-byte chunks at src) quantized as mxfp8.py does: the 32
+// e4m3 bytes into out (element 0 in the low byte of out[0].x), and the e8m0 scale returned.
+template <bool kRceil>
+__device__ __forceinline__ int mxfp8_quantize_block(const uint4* src, uint4 (&out)[2]) {
   float v[32];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -68,37 +66,45 @@ __global__ void __launch_bounds__(kMxfp8QuantizeThreads)
     finite &= isfinite(v[i]);
     amax = fmaxf(amax, fabsf(v[i]));
   }
-  uint4 out[2];
-  int s;
   if (!finite) {
-    s = kE8m0Nan;
     out[0] = out[1] = make_uint4(kE4m3NanPair, kE4m3NanPair, kE4m3NanPair, kE4m3NanPair);
-  } else {
-    if constexpr (kRceil) {
-      const uint32_t q = __float_as_uint(__fdiv_rn(amax, 448.f));
-      const uint32_t exp = (q >> 23) & 0xFF, mant = q & 0x7FFFFF;
-      s = exp == 0 ? int(mant > 0x400000u) : int(exp + (mant != 0));
-    } else {
-      s = int((__float_as_uint(amax) >> 23) & 0xFF) - 8;
-    }
-    s = min(max(s, 0), 254);
-    const float inv_scale = mxfp8_pow2(127 - s);
-    uint32_t* words = reinterpret_cast<uint32_t*>(out);
-#pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int pair = 0; pair < 2; ++pair) {
-        const int i = 4 * w + 2 * pair;
-        const float a = fminf(fmaxf(__fmul_rn(v[i], inv_scale), -448.f), 448.f);
-        const float b = fminf(fmaxf(__fmul_rn(v[i + 1], inv_scale), -448.f), 448.f);
-        const __nv_fp8x2_storage_t two =
-            __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-        word |= uint32_t(two) << (16 * pair);
-      }
-      words[w] = word;
-    }
+    return kE8m0Nan;
   }
+  int s;
+  if constexpr (kRceil) {
+    const uint32_t q = __float_as_uint(__fdiv_rn(amax, 448.f));
+    const uint32_t exp = (q >> 23) & 0xFF, mant = q & 0x7FFFFF;
+    s = exp == 0 ? int(mant > 0x400000u) : int(exp + (mant != 0));
+  } else {
+    s = int((__float_as_uint(amax) >> 23) & 0xFF) - 8;
+  }
+  s = min(max(s, 0), 254);
+  const float inv_scale = mxfp8_pow2(127 - s);
+  uint32_t* words = reinterpret_cast<uint32_t*>(out);
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      const int i = 4 * w + 2 * pair;
+      const float a = fminf(fmaxf(__fmul_rn(v[i], inv_scale), -448.f), 448.f);
+      const float b = fminf(fmaxf(__fmul_rn(v[i + 1], inv_scale), -448.f), 448.f);
+      const __nv_fp8x2_storage_t two =
+          __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+      word |= uint32_t(two) << (16 * pair);
+    }
+    words[w] = word;
+  }
+  return s;
+}
+
+template <bool kRceil, bool kBlocked>
+__global__ void __launch_bounds__(kMxfp8QuantizeThreads)
+    mxfp8_quantize_kernel(const Mxfp8QuantizeParams p) {
+  const int64_t block = int64_t(blockIdx.x) * kMxfp8QuantizeThreads + threadIdx.x;
+  if (block >= p.rows * p.k_blocks) return;
+  uint4 out[2];
+  const int s = mxfp8_quantize_block<kRceil>(reinterpret_cast<const uint4*>(p.x) + block * 4, out);
   uint4* dst = reinterpret_cast<uint4*>(p.values) + block * 2;
   dst[0] = out[0];
   dst[1] = out[1];
