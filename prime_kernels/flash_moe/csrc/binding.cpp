@@ -553,6 +553,10 @@ Tensor moe_forward_mxfp8(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids,
     // Prefill sizes: fused_moe_mxfp8 would widen its quantized operands to bf16 first; quantize and
     // widen back in one pass each (4 bytes an element moved instead of 6), then its kernels.
     const FusedMoeMxfp8Config config = resolve_fused_moe_mxfp8_config(shape, requested);
+    if (const char* print = std::getenv("PRIME_MOE_PRINT_CONFIG"); print && print[0] == '1') {
+      std::fprintf(stderr, "%s: %s\n", op,
+                   describe_fused_moe_mxfp8_config(shape, requested, config).c_str());
+    }
     const cudaStream_t stream = current_stream(problem.device);
     FusedMoeBf16Problem wide = problem;
     const auto round_trip = [&](const Tensor& t, int64_t rows, int64_t k) {
