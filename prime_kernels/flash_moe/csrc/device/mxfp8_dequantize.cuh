@@ -47,10 +47,8 @@ __global__ void __launch_bounds__(kMxfp8DequantizeThreads)
       scale_offset = group * p.n_rows * p.k_blocks +
                      mxfp8_blocked_offset(int(row % p.n_rows), int(block % p.k_blocks), p.k_blocks);
     }
-    const float scale = mxfp8_scale_value(p.scales[scale_offset]);
-    uint4* dst = reinterpret_cast<uint4*>(p.out) + 2 * c;
-    dst[0] = mxfp8_widen8(make_uint2(v.x, v.y), scale);
-    dst[1] = mxfp8_widen8(make_uint2(v.z, v.w), scale);
+    mxfp8_widen16(v, mxfp8_scale_value(p.scales[scale_offset]),
+                  reinterpret_cast<uint4*>(p.out) + 2 * c);
   }
 }
 

@@ -68,6 +68,12 @@ __device__ __forceinline__ uint4 mxfp8_widen8(uint2 v, float scale) {
       mxfp8_pair_to_bf16x2(v.y & 0xFFFF, scale), mxfp8_pair_to_bf16x2(v.y >> 16, scale));
 }
 
+// Sixteen e4m3 bytes (uint4, element 0 in the low byte) times `scale` as sixteen bf16 in dst[0..1].
+__device__ __forceinline__ void mxfp8_widen16(uint4 v, float scale, uint4* dst) {
+  dst[0] = mxfp8_widen8(make_uint2(v.x, v.y), scale);
+  dst[1] = mxfp8_widen8(make_uint2(v.z, v.w), scale);
+}
+
 // The weight loader of the register-A GEMMs (MoeGemmTileRS, RegisterAConsumers): thread 0 copies
 // the step's raw e4m3 weight tiles by TMA (64-byte swizzle: the consumers' 2-byte fragment reads
 // of 8 rows hit 8 distinct bank groups, mxfp8_fragment.cuh) and the step's scale blocks (bulk

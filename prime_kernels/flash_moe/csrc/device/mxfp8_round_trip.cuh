@@ -30,10 +30,8 @@ __global__ void __launch_bounds__(kMxfp8RoundTripThreads)
     const float scale = mxfp8_scale_value(
         uint32_t(mxfp8_quantize_block<true>(reinterpret_cast<const uint4*>(p.x) + 4 * b, values)));
     uint4* dst = reinterpret_cast<uint4*>(p.out) + 4 * b;
-    dst[0] = mxfp8_widen8(make_uint2(values[0].x, values[0].y), scale);
-    dst[1] = mxfp8_widen8(make_uint2(values[0].z, values[0].w), scale);
-    dst[2] = mxfp8_widen8(make_uint2(values[1].x, values[1].y), scale);
-    dst[3] = mxfp8_widen8(make_uint2(values[1].z, values[1].w), scale);
+    mxfp8_widen16(values[0], scale, dst);
+    mxfp8_widen16(values[1], scale, dst + 2);
   }
 }
 
