@@ -48,6 +48,9 @@ struct Bf16Weights {
   static constexpr bool kRegisterA = false;  // bf16 weights are read by wgmma from shared memory
   // The down GEMM's ping-pong tile width (ForwardKernels).
   static constexpr int kDownPingPongN = 192;
+  // The gate/up GEMM's ping-pong tile: 128 tokens x (96 gate + 96 up) weight rows a warpgroup
+  // (ForwardKernels).
+  static constexpr int kGateUpPingPongN = 96;
   template <class Tile>
   using BLoad = TmaWeightTiles<Tile>;
   using GateUpEpilogue = SwiGluToH<false>;
@@ -108,10 +111,17 @@ inline constexpr bool kDownBBeforeWait = true;
 // 64) against the SM's 128: 192 columns bring that to 138 (Weights::kDownPingPongN).
 // Elsewhere (decode sizes, block_m = 64) it is cooperative and 2 * block_n wide, so that
 // both GEMMs' stages are the same size.
+//
+// The gate/up GEMM at the large tile runs ping-pong too, 128 x (96 gate + 96 up) a warpgroup:
+// the cooperative 128 x (128 + 128) tile idles the tensor cores while both warpgroups run the
+// SwiGLU epilogue (ncu, Qwen3-30B-A3B T = 32768: tensor pipe 81% active, against 92-93% for the
+// long-K weight-gradient GEMMs); 2 x 96 columns keep a ping-pong tile's shared-memory reads per
+// MMA within 7% of the cooperative tile's, and H = 768 is 8 such tiles. (Not yet run on a GPU.)
 template <class Weights, int kBlockM, int kBlockN, bool kRegisterA = Weights::kRegisterA>
 struct ForwardKernels {
   static constexpr bool kDownPingPong = kBlockM == 128 && kBlockN == 128;
-  using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
+  static constexpr bool kGateUpPingPong = kBlockM == 128 && kBlockN == 128;
+  using GateUpTile = MoeGemmTile<kBlockM, kGateUpPingPong ? Weights::kGateUpPingPongN : kBlockN, 2>;
   using DownTile = MoeGemmTile<kBlockM, kDownPingPong ? Weights::kDownPingPongN : 2 * kBlockN, 1>;
   template <class Epilogue>
   using DownGemm = std::conditional_t<
@@ -121,8 +131,12 @@ struct ForwardKernels {
       MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, typename Weights::template BLoad<DownTile>,
               MoeTileScheduler, CooperativeConsumers, 1, kDownBBeforeWait>>;
   template <class Epilogue>
-  using GateUpGemm = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, Epilogue,
-                             typename Weights::template BLoad<GateUpTile>>;
+  using GateUpGemm = std::conditional_t<
+      kGateUpPingPong,
+      MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, Epilogue,
+              typename Weights::template BLoad<GateUpTile>, MoeTileScheduler, PingPongConsumers>,
+      MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, Epilogue,
+              typename Weights::template BLoad<GateUpTile>>>;
   using GateUp = GateUpGemm<typename Weights::GateUpEpilogue>;
   using GateUpKeepZ = GateUpGemm<typename Weights::GateUpKeepZEpilogue>;  // kKeepsZ only
   using DownStore = DownGemm<StoreRows>;
@@ -148,6 +162,7 @@ struct ForwardKernels {
 template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kDownPingPong = false;
+  static constexpr bool kGateUpPingPong = false;
   using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2>;
   using DownTile = MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>;
   template <class Epilogue>
@@ -450,8 +465,6 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
 
     // Gate/up: A gathered from x_rows (no tensor map; tmap_w is passed twice as a filler).
     CUtensorMap tmap_w, tmap_h, tmap_w2;
-    err = Weights::weight_map(&tmap_w, weights.w, uint64_t(E) * 2 * H, D, c.block_n);
-    if (err != cudaSuccess) return err;
     MoeGemmParams gate_up = g;
     gate_up.pair_to_row = c.split ? ws.pair_to_row : nullptr;
     gate_up.out = ws.h;
@@ -477,6 +490,8 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
 
     const bool found = with_forward_kernels<Weights>(int(pr.block_m), c.block_n, [&](auto kernels) {
       using K = decltype(kernels);
+      err = Weights::weight_map(&tmap_w, weights.w, uint64_t(E) * 2 * H, D, K::GateUpTile::kBlockN);
+      if (err != cudaSuccess) return;
       if constexpr (Weights::kKeepsZ) {
         err = pr.keep_z != nullptr ? launch_gemm<typename K::GateUpKeepZ>(
                                          tmap_w, tmap_w, gate_up, num_sms, stream, dependent)
@@ -512,16 +527,18 @@ std::string describe_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Con
                             const FusedMoeBf16Config& c, const std::string& loaders) {
   const std::string bm = std::to_string(pr.block_m);
   const std::string bn = std::to_string(c.block_n);
-  std::string down = "?";
+  std::string down = "?", gate_up = "?";
   with_forward_kernels<Weights>(int(pr.block_m), c.block_n, [&](auto kernels) {
     using K = decltype(kernels);
+    const std::string n = std::to_string(K::GateUpTile::kBlockN);
+    gate_up = bm + "x(" + n + "+" + n + ")" + (K::kGateUpPingPong ? " ping-pong" : " cooperative");
     down = bm + "x" + std::to_string(K::DownTile::kBlockN) +
            (K::kDownPingPong ? " ping-pong" : " cooperative") + ", " +
            std::to_string(K::down_stages(c.stages, pr.device, kMaxStages)) + " stages";
   });
   std::string text =
       std::string(Weights::kName) + " sm_90a: block_m=" + bm + " block_n=" + bn +
-      " (gate/up tile " + bm + "x(" + bn + "+" + bn + ") cooperative, down tile " + down +
+      " (gate/up tile " + gate_up + ", down tile " + down +
       ") consumer warpgroups=" + std::to_string(c.warp_n) + " stages=" + std::to_string(c.stages) +
       " bpc=" + std::to_string(c.bpc) + " cpc=" + std::to_string(c.cpc) +
       (c.split ? " split=true" : " split=false") + " sms=" + std::to_string(usable_sms(pr.device)) +

@@ -112,9 +112,9 @@ struct MoeGemm {
   static_assert(Epilogue::kNumB == Tile::kNumB, "the epilogue reads the stage's weight tiles");
   static_assert(kConsumerRegs >= 224, "the consumers keep their accumulators in registers");
   static_assert(Consumers::kMmaM * Consumers::kNumMma * Consumers::Mma::kAccRegs <= 128 ||
-                    kConsumerRegs >= 240,
-                "past 128 accumulators a thread the consumers need 240 registers (a TMA-only, "
-                "unclustered producer)");
+                    kConsumerRegs >= 232,
+                "past 128 accumulators a thread the consumers need 232 registers or more (a "
+                "producer of 40 at most; ptxas's report says whether the epilogue fits)");
   static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * 168, "setmaxnreg moves, never adds");
   static_assert(kProducerThreads >= 1 && kProducerThreads <= 128,
                 "the loaders run in the producer warpgroup, thread 0 included");
