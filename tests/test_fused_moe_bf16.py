@@ -113,6 +113,18 @@ def test_small_shapes_for_sanitizer(flash_moe, seed, split, T, D, H, E, k, kind)
     check(flash_moe, make_inputs(T, D, H, E, k, kind, generator), split=split)
 
 
+@pytest.mark.sanitize
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+@pytest.mark.parametrize("H", [192, 128], ids=["whole-96-tiles", "partial-96-tile"])
+def test_large_tile_for_sanitizer(flash_moe, seed, split, H):
+    """The 128-row tile (block_n=128: the ping-pong gate/up and down GEMMs), which small shapes
+    do not pick by themselves, under the sanitizers; H = 128 leaves the second 96-wide gate/up
+    tile partial."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(300, 256, H, 4, 2, "uniform", generator)
+    check(flash_moe, inputs, split=split, block_n=128, warp_n=0)
+
+
 @pytest.mark.parametrize("block_n", [None, 64, 128])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
 def test_block_m_64(flash_moe, seed, split, block_n):
