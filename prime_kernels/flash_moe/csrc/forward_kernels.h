@@ -143,9 +143,9 @@ struct ForwardKernels {
   using DownAtomic = DownGemm<WeightedAtomicAdd>;
   static_assert(DownStore::smem_bytes(3) == DownAtomic::smem_bytes(3));
 
-  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (a 128 x 192
-  // down stage is 40 KB against gate/up's 48 KB: 4 stages for 4, where 5 would fit: to A/B),
-  // as far as the device holds.
+  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (at the large
+  // tile both stages are 40 KB, 5 of them; with the cooperative 128 x (128 + 128) gate/up tile's
+  // 48 KB stages the down GEMM had 4), as far as the device holds.
   static int down_stages(int stages, int device, int max_stages) {
     const int same_bytes = int(stages * GateUpTile::kStageBytes / DownTile::kStageBytes);
     return std::min(same_bytes, ring_stages<DownStore>(device, max_stages));
