@@ -304,7 +304,7 @@ CASES: dict[str, Case] = {
         cuda_only=True,
     ),
     # tuning values and what sm_90 supports (resolved on x's device)
-    "block_n": Case(fused(block_n=96), r"block_n=96 is not supported on sm_90", cuda_only=True),
+    "block_n": Case(fused(block_n=80), r"block_n=80 is not supported on sm_90", cuda_only=True),
     "stages": Case(fused(stages=99), r"stages=99 is not supported on sm_90", cuda_only=True),
     "cpc": Case(fused(cpc=2), r"cpc=2 is not supported on sm_90", cuda_only=True),
     "warp_n": Case(fused(warp_n=3), r"warp_n=3 is not supported on sm_90", cuda_only=True),

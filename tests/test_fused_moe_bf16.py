@@ -117,12 +117,12 @@ def test_small_shapes_for_sanitizer(flash_moe, seed, split, T, D, H, E, k, kind)
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
 @pytest.mark.parametrize("H", [192, 128], ids=["whole-96-tiles", "partial-96-tile"])
 def test_large_tile_for_sanitizer(flash_moe, seed, split, H):
-    """The 128-row tile (block_n=128: the ping-pong gate/up and down GEMMs), which small shapes
+    """The ping-pong gate/up tile (block_n=96, with the ping-pong down tile), which small shapes
     do not pick by themselves, under the sanitizers; H = 128 leaves the second 96-wide gate/up
     tile partial."""
     generator = torch.Generator().manual_seed(seed)
     inputs = make_inputs(300, 256, H, 4, 2, "uniform", generator)
-    check(flash_moe, inputs, split=split, block_n=128, warp_n=0)
+    check(flash_moe, inputs, split=split, block_n=96, warp_n=0)
 
 
 @pytest.mark.parametrize("block_n", [None, 64, 128])
@@ -306,8 +306,8 @@ torch.cuda.synchronize()
 
 
 def test_print_config_shows_what_hints_became(flash_moe):
-    """The original's (64, 4, 2) takes the tuned tile (128 wide and as deep as shared memory
-    allows at this size); this kernel's own block_n and stages are kept; set_num_sms caps
+    """The original's (64, 4, 2) takes the tuned tile (the 96-wide ping-pong tile at 1024 rows
+    an expert, as deep as shared memory allows); this kernel's own block_n and stages are kept; set_num_sms caps
     the persistent grid; decode-sized routing (2 rows an expert) takes the 64-wide tile."""
     import os
     import subprocess
@@ -326,7 +326,7 @@ def test_print_config_shows_what_hints_became(flash_moe):
         line.split("; asked ") for line in lines
     )
     assert asked.startswith("block_n=64 warp_n=4 stages=2") and "Blackwell tile" in asked
-    assert "block_n=128 " in original and "stages=2 " not in original
+    assert "block_n=96 " in original and "stages=2 " not in original
     assert "block_n=64 " in pinned and "stages=3 " in pinned
     all_sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert "sms=8 " in capped and f"sms={all_sms} " in original

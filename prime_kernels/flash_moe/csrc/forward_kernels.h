@@ -48,8 +48,8 @@ struct Bf16Weights {
   static constexpr bool kRegisterA = false;  // bf16 weights are read by wgmma from shared memory
   // The down GEMM's ping-pong tile width (ForwardKernels).
   static constexpr int kDownPingPongN = 192;
-  // The gate/up GEMM's ping-pong tile: 128 tokens x (96 gate + 96 up) weight rows a warpgroup
-  // (ForwardKernels).
+  // The block_n of the gate/up GEMM's ping-pong tile: 128 tokens x (96 gate + 96 up) weight
+  // rows a warpgroup (ForwardKernels; block_m = 128 only).
   static constexpr int kGateUpPingPongN = 96;
   template <class Tile>
   using BLoad = TmaWeightTiles<Tile>;
@@ -112,16 +112,21 @@ inline constexpr bool kDownBBeforeWait = true;
 // Elsewhere (decode sizes, block_m = 64) it is cooperative and 2 * block_n wide, so that
 // both GEMMs' stages are the same size.
 //
-// The gate/up GEMM at the large tile runs ping-pong too, 128 x (96 gate + 96 up) a warpgroup:
-// the cooperative 128 x (128 + 128) tile idles the tensor cores while both warpgroups run the
-// SwiGLU epilogue (ncu, Qwen3-30B-A3B T = 32768: tensor pipe 81% active, against 92-93% for the
-// long-K weight-gradient GEMMs); 2 x 96 columns keep a ping-pong tile's shared-memory reads per
-// MMA within 7% of the cooperative tile's, and H = 768 is 8 such tiles. (Not yet run on a GPU.)
+// block_n = 96 (block_m = 128, prefill sizes: resolve_config) runs the gate/up GEMM ping-pong
+// too, 128 x (96 gate + 96 up) a warpgroup, with the same down tile as 128: the cooperative 128 x
+// (128 + 128) tile idles the tensor cores while both warpgroups run the SwiGLU epilogue (ncu,
+// Qwen3-30B-A3B T = 32768: tensor pipe 81% active, against 92-93% for the long-K weight-gradient
+// GEMMs); 2 x 96 columns keep a ping-pong tile's shared-memory reads per MMA within 7% of the
+// cooperative tile's, and H = 768 is 8 such tiles. A ping-pong warpgroup multiplies both 64-row
+// halves of its block, where a cooperative one skips an empty half: not at decode sizes. (Not
+// yet run on a GPU.)
 template <class Weights, int kBlockM, int kBlockN, bool kRegisterA = Weights::kRegisterA>
 struct ForwardKernels {
-  static constexpr bool kDownPingPong = kBlockM == 128 && kBlockN == 128;
-  static constexpr bool kGateUpPingPong = kBlockM == 128 && kBlockN == 128;
-  using GateUpTile = MoeGemmTile<kBlockM, kGateUpPingPong ? Weights::kGateUpPingPongN : kBlockN, 2>;
+  static constexpr bool kGateUpPingPong = kBlockM == 128 && kBlockN == Weights::kGateUpPingPongN;
+  static constexpr bool kDownPingPong = kBlockM == 128 && (kBlockN == 128 || kGateUpPingPong);
+  static_assert(kBlockN != Weights::kGateUpPingPongN || kGateUpPingPong,
+                "the ping-pong gate/up tile is 128 rows");
+  using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
   using DownTile = MoeGemmTile<kBlockM, kDownPingPong ? Weights::kDownPingPongN : 2 * kBlockN, 1>;
   template <class Epilogue>
   using DownGemm = std::conditional_t<
@@ -143,9 +148,9 @@ struct ForwardKernels {
   using DownAtomic = DownGemm<WeightedAtomicAdd>;
   static_assert(DownStore::smem_bytes(3) == DownAtomic::smem_bytes(3));
 
-  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (at the large
-  // tile both stages are 40 KB, 5 of them; with the cooperative 128 x (128 + 128) gate/up tile's
-  // 48 KB stages the down GEMM had 4), as far as the device holds.
+  // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (at block_n 96
+  // both stages are 40 KB, 5 of them; at 128 the cooperative gate/up tile's 48 KB stages give
+  // the 40 KB down stages 4, where 5 would fit), as far as the device holds.
   static int down_stages(int stages, int device, int max_stages) {
     const int same_bytes = int(stages * GateUpTile::kStageBytes / DownTile::kStageBytes);
     return std::min(same_bytes, ring_stages<DownStore>(device, max_stages));
@@ -182,15 +187,29 @@ struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
 
 // The (block_m, block_n) tiles this build instantiates: the only place their values are
 // written. block_m 64 and 128 are one and two wgmma M; block_n 64 and 128 keep the gate/up
-// accumulators (2 x block_n columns per consumer) within the register budget.
+// accumulators (2 x block_n columns per consumer) within the register budget; block_n 96 is the
+// ping-pong gate/up tile (bf16 weights, block_m 128: has_tile).
 using TileBlockMs = std::integer_sequence<int, 64, 128>;
-using TileBlockNs = std::integer_sequence<int, 64, 128>;
+using TileBlockNs = std::integer_sequence<int, 64, 96, 128>;
 static_assert(kBlockM == 128, "moe_align's default block_m is one of the instantiated tiles");
+template <class Weights>
+constexpr bool has_tile(int block_m, int block_n) {
+  return block_n != Bf16Weights::kGateUpPingPongN || (block_m == 128 && !Weights::kRegisterA);
+}
 
+template <class Weights, int kBlockM, int kBlockN, class F>
+bool dispatch_tile(int block_n, F& f) {
+  if constexpr (has_tile<Weights>(kBlockM, kBlockN)) {
+    if (block_n == kBlockN) {
+      f(ForwardKernels<Weights, kBlockM, kBlockN>{});
+      return true;
+    }
+  }
+  return false;
+}
 template <class Weights, int kBlockM, class F, int... kBlockN>
 bool dispatch_block_n(int block_n, F& f, std::integer_sequence<int, kBlockN...>) {
-  return ((block_n == kBlockN ? (f(ForwardKernels<Weights, kBlockM, kBlockN>{}), true) : false) ||
-          ...);
+  return (dispatch_tile<Weights, kBlockM, kBlockN>(block_n, f) || ...);
 }
 template <class Weights, class F, int... kBlockM>
 bool dispatch_block_m(int block_m, int block_n, F& f, std::integer_sequence<int, kBlockM...>) {
@@ -202,8 +221,19 @@ template <class Weights, class F>
 bool with_forward_kernels(int block_m, int block_n, F&& f) {
   return dispatch_block_m<Weights>(block_m, block_n, f, TileBlockMs{});
 }
-inline bool is_instantiated(int block_m, int block_n) {
-  return with_forward_kernels<Bf16Weights>(block_m, block_n, [](auto) {});
+template <class Weights>
+bool is_instantiated(int block_m, int block_n) {
+  return with_forward_kernels<Weights>(block_m, block_n, [](auto) {});
+}
+// The block_n values instantiated for this block_m and weight format, for error messages.
+template <class Weights, int... kValues>
+std::string list_block_ns(int block_m, std::integer_sequence<int, kValues...>) {
+  std::string text;
+  ((text += has_tile<Weights>(block_m, kValues)
+                ? (text.empty() ? "" : ", ") + std::to_string(kValues)
+                : std::string()),
+   ...);
+  return text;
 }
 template <int... kValues>
 bool contains(std::integer_sequence<int, kValues...>, int64_t value) {
@@ -228,6 +258,9 @@ inline constexpr int64_t kDecodeRowsPerExpert = 32;
 // that beats the 128-wide tiles' two m64 blocks of single steps (H200, T = 64 and 1024,
 // Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B: 2.4-11% less time, benchmarks/RESULTS.md).
 inline constexpr int64_t kRegisterANarrowRowsPerExpert = 256;
+// Mean rows per routed expert from which the bf16 forward takes the ping-pong gate/up tile
+// (block_n = 96, ForwardKernels): two or more full 128-row blocks an expert.
+inline constexpr int64_t kPingPongRowsPerExpert = 256;
 // Mean rows per routed expert above which fused_moe_mxfp8 widens the weights to bf16 once, in a
 // pre-pass, and runs the bf16 kernels on them (Mxfp8WidenedWeights), instead of widening each
 // weight tile in registers for every token block that meets it. The pre-pass moves 3 bytes a
@@ -285,8 +318,13 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
     const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
     const bool narrow = pairs <= routed * (Weights::kRegisterA ? kRegisterANarrowRowsPerExpert
                                                                : kDecodeRowsPerExpert);
-    c.block_n =
-        (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || narrow) ? 64 : 128;
+    // The ping-pong gate/up tile (96) where blocks are full: from kPingPongRowsPerExpert rows
+    // an expert on average.
+    const bool full_blocks = pairs >= routed * kPingPongRowsPerExpert;
+    c.block_n = (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || narrow) ? 64
+                : has_tile<Weights>(block_m, Bf16Weights::kGateUpPingPongN) && full_blocks
+                    ? Bf16Weights::kGateUpPingPongN
+                    : 128;
   }
   // The consumers are always two warpgroups (tile.cuh); warp_n only chose the tile above.
   c.warp_n = kConsumerWarpgroups;
@@ -305,7 +343,7 @@ std::string check_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config
                          int stage_limit) {
   const std::string sm90 = " is not supported on sm_90";
   const std::string block_ms = list_values(TileBlockMs{});
-  const std::string block_ns = list_values(TileBlockNs{});
+  const std::string block_ns = list_block_ns<Weights>(int(pr.block_m), TileBlockNs{});
   if (!contains(TileBlockMs{}, pr.block_m))
     return "block_m=" + std::to_string(pr.block_m) + sm90 + "; use " + block_ms +
            " (and the same block_m for moe_align)";
@@ -344,7 +382,7 @@ std::string check_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config
       return "stages=" + std::to_string(c.stages) + sm90 + " with the original's tiles; use 1.." +
              std::to_string(stage_limit) + " or 0 for the tuned choice";
   } else if (c.warp_n == 0 || c.warp_n == kConsumerWarpgroups) {
-    if (c.block_n != 0 && !is_instantiated(int(pr.block_m), c.block_n))
+    if (c.block_n != 0 && !is_instantiated<Weights>(int(pr.block_m), c.block_n))
       return "block_n=" + std::to_string(c.block_n) + sm90 + "; use " + block_ns +
              ", 0 for the tuned choice, or the original's (64, 4) / (32, 8) with warp_n";
     if (c.stages != 0) {
@@ -423,7 +461,7 @@ struct WeightOperands {
 // training keeps z and pair_to_row both or neither, on the split path.
 template <class Weights>
 bool launchable(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& c) {
-  if (!is_instantiated(int(pr.block_m), c.block_n) || c.stages < kMinStages ||
+  if (!is_instantiated<Weights>(int(pr.block_m), c.block_n) || c.stages < kMinStages ||
       c.stages > max_stages<Weights>(int(pr.block_m), c.block_n, pr.device))
     return false;
   return (pr.keep_z != nullptr) == (pr.keep_pair_to_row != nullptr) &&
