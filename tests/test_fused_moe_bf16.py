@@ -287,7 +287,7 @@ PRINT_CONFIG = """
 import torch, prime_kernels
 from prime_kernels.flash_moe import reference
 flash_moe = prime_kernels.load("flash_moe")
-T, D, H, E, k = 8192, 1024, 512, 32, 4
+T, D, H, E, k = 8192, 1024, 768, 32, 4
 x = torch.randn(T, D, device="cuda").bfloat16()
 w = torch.randn(E, 2 * H, D, device="cuda").bfloat16()
 w2 = torch.randn(E, D, H, device="cuda").bfloat16()
@@ -307,8 +307,9 @@ torch.cuda.synchronize()
 
 def test_print_config_shows_what_hints_became(flash_moe):
     """The original's (64, 4, 2) takes the tuned tile (the 96-wide ping-pong tile at 1024 rows
-    an expert, as deep as shared memory allows); this kernel's own block_n and stages are kept; set_num_sms caps
-    the persistent grid; decode-sized routing (2 rows an expert) takes the 64-wide tile."""
+    an expert and H = 768, as deep as shared memory allows); this kernel's own block_n and
+    stages are kept; set_num_sms caps the persistent grid; decode-sized routing (2 rows an
+    expert) takes the 64-wide tile."""
     import os
     import subprocess
     import sys

@@ -201,8 +201,8 @@ def fused_moe_bf16(
     the original's Blackwell tiles, spelled with ``warp_n`` 4 or 8 ((block_n, warp_n) in
     {(64, 4), (32, 8)}, stages 1..5, cpc 1). With ``warp_n`` None or 2 (this kernel's two
     consumer warpgroups), ``block_n`` (64, 128; 96 at block_m 128: the ping-pong gate/up
-    tile) and ``stages`` (2 up to what shared memory holds) pin this kernel's own tile. ``PRIME_MOE_PRINT_CONFIG=1`` prints what each hint
-    became."""
+    tile) and ``stages`` (2 up to what shared memory holds) pin this kernel's own tile.
+    ``PRIME_MOE_PRINT_CONFIG=1`` prints what each hint became."""
     torch.ops.prime_moe.fused_moe_bf16(
         x,
         w,

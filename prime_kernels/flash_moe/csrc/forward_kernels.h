@@ -118,8 +118,9 @@ inline constexpr bool kDownBBeforeWait = true;
 // Qwen3-30B-A3B T = 32768: tensor pipe 81% active, against 92-93% for the long-K weight-gradient
 // GEMMs); 2 x 96 columns keep a ping-pong tile's shared-memory reads per MMA within 7% of the
 // cooperative tile's, and H = 768 is 8 such tiles. A ping-pong warpgroup multiplies both 64-row
-// halves of its block, where a cooperative one skips an empty half: not at decode sizes. (Not
-// yet run on a GPU.)
+// halves of its block, where a cooperative one skips an empty half: not at decode sizes.
+// Measured against the cooperative tile (H200, 3 interleaved rounds, benchmarks/RESULTS.md
+// 2026-12-04 ninth session): Qwen3-30B-A3B (H = 768) T = 8192 1.04x, T = 32768 1.02x.
 template <class Weights, int kBlockM, int kBlockN, bool kRegisterA = Weights::kRegisterA>
 struct ForwardKernels {
   static constexpr bool kGateUpPingPong = kBlockM == 128 && kBlockN == Weights::kGateUpPingPongN;
@@ -261,6 +262,13 @@ inline constexpr int64_t kRegisterANarrowRowsPerExpert = 256;
 // Mean rows per routed expert from which the bf16 forward takes the ping-pong gate/up tile
 // (block_n = 96, ForwardKernels): two or more full 128-row blocks an expert.
 inline constexpr int64_t kPingPongRowsPerExpert = 256;
+// ... where H fills the 96-wide tiles to within 1%: H200 against the 128 tile, H = 768 (Qwen3,
+// whole tiles) 1.02-1.04x and H = 14336 (Mixtral, 0.4% padding) 1.01-1.04x, but H = 1024 and 2048
+// (3% padding) 0.97-1.02x at T >= 8192 (OLMoE, orig, DeepSeek-V3-32).
+inline bool fills_ping_pong_tiles(int64_t hidden_dim) {
+  const int64_t n = Bf16Weights::kGateUpPingPongN;
+  return ((hidden_dim + n - 1) / n * n - hidden_dim) * 100 <= hidden_dim;
+}
 // Mean rows per routed expert above which fused_moe_mxfp8 widens the weights to bf16 once, in a
 // pre-pass, and runs the bf16 kernels on them (Mxfp8WidenedWeights), instead of widening each
 // weight tile in registers for every token block that meets it. The pre-pass moves 3 bytes a
@@ -318,13 +326,14 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
     const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
     const bool narrow = pairs <= routed * (Weights::kRegisterA ? kRegisterANarrowRowsPerExpert
                                                                : kDecodeRowsPerExpert);
-    // The ping-pong gate/up tile (96) where blocks are full: from kPingPongRowsPerExpert rows
-    // an expert on average.
-    const bool full_blocks = pairs >= routed * kPingPongRowsPerExpert;
+    // The ping-pong gate/up tile (96) where blocks are full (kPingPongRowsPerExpert rows an
+    // expert on average) and H fills its tiles.
+    const bool ping_pong = has_tile<Weights>(block_m, Bf16Weights::kGateUpPingPongN) &&
+                           pairs >= routed * kPingPongRowsPerExpert &&
+                           fills_ping_pong_tiles(problem.hidden_dim);
     c.block_n = (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || narrow) ? 64
-                : has_tile<Weights>(block_m, Bf16Weights::kGateUpPingPongN) && full_blocks
-                    ? Bf16Weights::kGateUpPingPongN
-                    : 128;
+                : ping_pong ? Bf16Weights::kGateUpPingPongN
+                            : 128;
   }
   // The consumers are always two warpgroups (tile.cuh); warp_n only chose the tile above.
   c.warp_n = kConsumerWarpgroups;
