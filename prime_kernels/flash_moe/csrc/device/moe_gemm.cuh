@@ -351,6 +351,18 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       }
       const int row0 = w.row0 + m_offset;
       const int col0 = w.n0 + n_offset;
+      bool routed = false;     // the thread's row of the tile (tid % kRows) has a pair
+      bool any_routed = true;  // some row of the warpgroup's does
+      if constexpr (Scheduler::kMGrouped) {
+        // Read before the turn: a ping-pong warpgroup's load of the routing and its vote then
+        // run under the other's mainloop, not between the two warpgroups' wgmmas (ncu, down GEMM
+        // at Qwen3-30B-A3B T = 32768, 12 K slices a tile: tensor pipe 89% active with them
+        // after the turn).
+        if (has_tile) {
+          routed = routed_pair(p, sched.npp, row0 + tid % kRows) >= 0;
+          any_routed = warpgroup_any(routed, 1 + consumer);
+        }
+      }
       if constexpr (Consumers::kPingPong)
         if (this_seq > 0) turns.wait_turn(consumer);
       if (!has_tile) {  // a cluster's missing tile: nothing to compute or store
@@ -360,17 +372,13 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
       }
       bool has_work = w.num_k_blocks > 0;
       bool skipped = false;
-      bool routed = false;  // the thread's row of the tile (tid % kRows) has a pair
-      if constexpr (Scheduler::kMGrouped) {
-        // Rows with no routed pair (the padded tail of an expert's segment: most rows at
-        // decode sizes) only pass their stages through: no wgmma. Their output rows are
-        // left unwritten unless the epilogue's zeros are read later.
-        routed = routed_pair(p, sched.npp, row0 + tid % kRows) >= 0;
-        if (!warpgroup_any(routed, 1 + consumer)) {
-          Mainloop::skip(ring, rs, w.num_k_blocks);
-          skipped = true;
-          has_work = false;
-        }
+      // Rows with no routed pair (the padded tail of an expert's segment: most rows at decode
+      // sizes) only pass their stages through: no wgmma. Their output rows are left unwritten
+      // unless the epilogue's zeros are read later.
+      if (!any_routed) {
+        Mainloop::skip(ring, rs, w.num_k_blocks);
+        skipped = true;
+        has_work = false;
       }
       // An expert with no rows gets a zero weight gradient; a skipped tile's padding rows
       // are written as zeros. The accumulators are not zeroed for that: a non-wgmma write
