@@ -79,8 +79,8 @@ struct CooperativeConsumers {
 // the two, and they take turns at the tensor cores (the kernel's turn barriers): one runs
 // its mainloop while the other stores its last tile, so a tile's epilogue costs no MMA
 // time. Where the cooperative schedule splits a 128 x 256 tile into two 64 x 256 halves,
-// this one gives each warpgroup a 128 x 128 tile (two 64-row wgmmas per K slice on one B
-// tile): the same 128 accumulators a thread, a 32 KB stage instead of 48 KB.
+// this one gives each warpgroup a whole 128-row tile (two 64-row wgmmas per K slice over all the
+// stage's weight rows): the forward's down GEMM 128 x 192, its gate/up GEMM 128 x (96 + 96).
 template <class Tile, class ALayout_, class BLayout_>
 struct PingPongConsumers {
   using ALayout = ALayout_;
@@ -97,8 +97,9 @@ struct PingPongConsumers {
 
   static_assert(kMmaN == 64 || kMmaN == 128 || kMmaN == 192 || kMmaN == 256,
                 "wgmma N must be one of the instantiated shapes");
-  // 192 (a 128 x 192 tile) leaves 48 of the 240 consumer registers of a TMA-only producer
-  // (MoeGemm): enough for a plain store epilogue, not for the SwiGLU ones.
+  // 192 accumulators (128 x 192) leave 40 to 48 of the 232 to 240 consumer registers (MoeGemm):
+  // enough for the store and SwiGLU epilogues (ptxas reports no spills:
+  // tests/test_ptxas_report.py), not for more.
   static_assert(kMmaM * Mma::kAccRegs <= 192, "accumulators must fit the consumer register budget");
   static_assert(!BLayout::kTrans || Tile::kNumB == 1,
                 "an MN-major weight operand takes whole 64-column chunks, one weight tile");
