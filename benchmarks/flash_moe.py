@@ -926,7 +926,13 @@ MXFP8_LEGEND = (
 
 
 def legend(meta, mode):
-    tuned = "autotuned" if meta["tune_peers"] else "not autotuned (their default configs)"
+    tuned = (
+        "autotuned per shape (Liger's Triton autotune, SonicMoE's QuACK autotune)"
+        if meta["tune_peers"]
+        else "not autotuned: Liger with LIGER_FUSED_MOE_AUTOTUNE=0, SonicMoE's QuACK GEMMs "
+        "with tuned=False (QuACK's default_config); SonicMoE's own default autotunes per shape, "
+        "which `--tune-peers` times"
+    )
     parts = [harness.timing_sentence(meta), f"Peers {tuned}.", harness.SPEEDUP_LEGEND]
     if mode != "fwd":
         parts.append(TRAINING_LEGEND)
