@@ -102,6 +102,14 @@ inline constexpr int64_t kDependentLaunchMaxPairs = 16384;
 // GEMM's wait returns: launched plainly ahead of it, never as a dependent of it.
 inline constexpr bool kDownBBeforeWait = true;
 
+// A forward GEMM (M-grouped tiles, one CTA per cluster) with ping-pong or cooperative consumers.
+template <bool kPingPong, class Tile, class ALoad, class Epilogue, class BLoad,
+          bool kBBeforeWait = false>
+using ScheduledMoeGemm = std::conditional_t<
+    kPingPong,
+    MoeGemm<Tile, ALoad, Epilogue, BLoad, MoeTileScheduler, PingPongConsumers, 1, kBBeforeWait>,
+    MoeGemm<Tile, ALoad, Epilogue, BLoad, MoeTileScheduler, CooperativeConsumers, 1, kBBeforeWait>>;
+
 // The forward's kernels for one gate/up tile of block_m x block_n.
 // The down GEMM (K = H, often only 12 K steps) spends a large share of each tile in its
 // epilogue; at the large tile it runs ping-pong, one warpgroup's stores under the other's
@@ -130,19 +138,11 @@ struct ForwardKernels {
   using GateUpTile = MoeGemmTile<kBlockM, kBlockN, 2>;
   using DownTile = MoeGemmTile<kBlockM, kDownPingPong ? Weights::kDownPingPongN : 2 * kBlockN, 1>;
   template <class Epilogue>
-  using DownGemm = std::conditional_t<
-      kDownPingPong,
-      MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, typename Weights::template BLoad<DownTile>,
-              MoeTileScheduler, PingPongConsumers, 1, kDownBBeforeWait>,
-      MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, typename Weights::template BLoad<DownTile>,
-              MoeTileScheduler, CooperativeConsumers, 1, kDownBBeforeWait>>;
+  using DownGemm = ScheduledMoeGemm<kDownPingPong, DownTile, TmaRows<DownTile>, Epilogue,
+                                    typename Weights::template BLoad<DownTile>, kDownBBeforeWait>;
   template <class Epilogue>
-  using GateUpGemm = std::conditional_t<
-      kGateUpPingPong,
-      MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, Epilogue,
-              typename Weights::template BLoad<GateUpTile>, MoeTileScheduler, PingPongConsumers>,
-      MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, Epilogue,
-              typename Weights::template BLoad<GateUpTile>>>;
+  using GateUpGemm = ScheduledMoeGemm<kGateUpPingPong, GateUpTile, GatherTokenRows<GateUpTile>,
+                                      Epilogue, typename Weights::template BLoad<GateUpTile>>;
   using GateUp = GateUpGemm<typename Weights::GateUpEpilogue>;
   using GateUpKeepZ = GateUpGemm<typename Weights::GateUpKeepZEpilogue>;  // kKeepsZ only
   using DownStore = DownGemm<StoreRows>;
