@@ -48,6 +48,48 @@ __global__ void __launch_bounds__(kHistogramThreads)
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) row[e] = counts[e];
 }
 
+// One expert's column of the (chunk, expert) counts over chunks [c0, c1): its sum, and the
+// counts turned into each chunk's first row from `row` on (returning the row after them). The
+// counts are read kColumnBatch at a time: the stores may alias the next loads as far as the
+// compiler knows, so a plain loop would wait for each load in turn.
+constexpr int kColumnBatch = 8;
+__device__ __forceinline__ int32_t column_sum(const int32_t* counts, int num_experts, int expert,
+                                              int64_t c0, int64_t c1) {
+  int32_t sum = 0;
+  for (int64_t c = c0; c < c1; c += kColumnBatch) {
+#pragma unroll
+    for (int j = 0; j < kColumnBatch; ++j)
+      if (c + j < c1) sum += counts[(c + j) * num_experts + expert];
+  }
+  return sum;
+}
+__device__ __forceinline__ int32_t column_rows(int32_t* counts, int num_experts, int expert,
+                                               int64_t c0, int64_t c1, int32_t row) {
+  for (int64_t c = c0; c < c1; c += kColumnBatch) {
+    int32_t count[kColumnBatch];
+#pragma unroll
+    for (int j = 0; j < kColumnBatch; ++j)
+      count[j] = c + j < c1 ? counts[(c + j) * num_experts + expert] : 0;
+#pragma unroll
+    for (int j = 0; j < kColumnBatch; ++j) {
+      if (c + j < c1) counts[(c + j) * num_experts + expert] = row;
+      row += count[j];
+    }
+  }
+  return row;
+}
+
+// How many runs of chunks pass 2 splits each expert's column into, a thread a run. With one
+// expert a thread over all chunks, 32 of the block's threads worked at 128 experts: the offsets
+// kernel took 38.8 us at 256 chunks (H200, Qwen3-30B-A3B T = 32768, torch.profiler, its wait for
+// the histogram included), most of moe_align's time there. Up to 32 runs, so that the run sums an
+// owner adds up stay few; 1 past kScanThreads / 2 experts (each thread then owns whole columns,
+// as the scan does).
+constexpr int kMaxColumnRuns = 32;
+__device__ __forceinline__ int column_runs(int num_experts) {
+  return num_experts > kScanThreads / 2 ? 1 : min(kMaxColumnRuns, kScanThreads / num_experts);
+}
+
 // Pass 2, by a block of kScanThreads threads. chunk_counts (global or shared memory): the
 // (chunk, expert) counts in, each chunk's first row of each expert out.
 __device__ __forceinline__ void align_offsets(int64_t num_chunks, int num_experts, int block_m,
@@ -56,6 +98,21 @@ __device__ __forceinline__ void align_offsets(int64_t num_chunks, int num_expert
                                               int32_t* __restrict__ num_tokens_post_padded) {
   using Scan = cub::BlockScan<int32_t, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
+  // Run r of expert e is slot r * E + e, thread slot's: its sum, then its first row.
+  __shared__ int32_t run_rows[kScanThreads];
+
+  const int runs = column_runs(num_experts);
+  const int64_t run_chunks = (num_chunks + runs - 1) / runs;
+  const int slot = threadIdx.x;
+  const int slot_expert = slot % num_experts;
+  const int64_t run_begin = min(num_chunks, slot / num_experts * run_chunks);
+  const int64_t run_end = min(num_chunks, run_begin + run_chunks);
+  const bool has_run = runs > 1 && slot < runs * num_experts;
+  if (runs > 1) {
+    run_rows[slot] =
+        has_run ? column_sum(chunk_counts, num_experts, slot_expert, run_begin, run_end) : 0;
+    __syncthreads();
+  }
 
   // Thread t owns experts [t * kExpertsPerScanThread, ...): a blocked arrangement, so the
   // block-wide exclusive scan of padded sizes gives each expert its segment start.
@@ -64,7 +121,11 @@ __device__ __forceinline__ void align_offsets(int64_t num_chunks, int num_expert
     const int expert = threadIdx.x * kExpertsPerScanThread + i;
     int32_t total = 0;
     if (expert < num_experts) {
-      for (int64_t c = 0; c < num_chunks; ++c) total += chunk_counts[c * num_experts + expert];
+      if (runs > 1) {
+        for (int r = 0; r < runs; ++r) total += run_rows[r * num_experts + expert];
+      } else {
+        total = column_sum(chunk_counts, num_experts, expert, 0, num_chunks);
+      }
     }
     padded[i] = (total + pad - 1) / pad * pad;
   }
@@ -82,39 +143,60 @@ __device__ __forceinline__ void align_offsets(int64_t num_chunks, int num_expert
     for (int32_t b = start[i] / block_m; b < (start[i] + padded[i]) / block_m; ++b) {
       expert_ids[b] = expert;
     }
-    // Each chunk's counts become that chunk's first destination row for this expert.
-    int32_t row = start[i];
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const int32_t count = chunk_counts[c * num_experts + expert];
-      chunk_counts[c * num_experts + expert] = row;
-      row += count;
+    // Each chunk's (or run's) count becomes its first destination row for this expert.
+    if (runs > 1) {
+      int32_t row = start[i];
+      for (int r = 0; r < runs; ++r) {
+        const int32_t count = run_rows[r * num_experts + expert];
+        run_rows[r * num_experts + expert] = row;
+        row += count;
+      }
+    } else {
+      column_rows(chunk_counts, num_experts, expert, 0, num_chunks, start[i]);
     }
+  }
+  if (runs > 1) {
+    __syncthreads();
+    if (has_run)
+      column_rows(chunk_counts, num_experts, slot_expert, run_begin, run_end, run_rows[slot]);
   }
   if (threadIdx.x == 0) *num_tokens_post_padded = padded_total;
 }
 
 // Pass 3 for one chunk, by one warp. next_row (global or shared memory): the chunk's next row
-// of each expert.
+// of each expert. The warp's steps depend on each other through next_row, not through the ids:
+// those are loaded kStepBatch steps at a time, so one load latency covers several steps.
+constexpr int kStepBatch = 8;
+static_assert(kMoeAlignChunk % (32 * kStepBatch) == 0, "whole batches of steps");
 __device__ __forceinline__ void align_scatter_chunk(const int32_t* __restrict__ topk_ids,
                                                     int64_t num_pairs, int num_experts,
                                                     int64_t chunk, int32_t* next_row,
                                                     int32_t* __restrict__ sorted_token_ids) {
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1;
-  for (int step = 0; step < kMoeAlignChunk; step += 32) {
-    const int64_t pair = chunk * kMoeAlignChunk + step + lane;
-    int32_t expert = pair < num_pairs ? topk_ids[pair] : -1;
-    const bool keep = routed(expert, num_experts);
-    if (!keep) expert = -1;
-    const unsigned peers = __match_any_sync(0xffffffffu, expert);
-    int32_t row = 0;
-    if (keep) row = next_row[expert] + __popc(peers & lanes_below);
-    __syncwarp();
-    if (keep) {
-      sorted_token_ids[row] = static_cast<int32_t>(pair);
-      if ((peers & lanes_below) == 0) next_row[expert] = row + __popc(peers);
+  for (int batch = 0; batch < kMoeAlignChunk; batch += 32 * kStepBatch) {
+    int32_t experts[kStepBatch];
+#pragma unroll
+    for (int j = 0; j < kStepBatch; ++j) {
+      const int64_t pair = chunk * kMoeAlignChunk + batch + 32 * j + lane;
+      experts[j] = pair < num_pairs ? topk_ids[pair] : -1;
     }
-    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < kStepBatch; ++j) {
+      const int64_t pair = chunk * kMoeAlignChunk + batch + 32 * j + lane;
+      int32_t expert = experts[j];
+      const bool keep = routed(expert, num_experts);
+      if (!keep) expert = -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, expert);
+      int32_t row = 0;
+      if (keep) row = next_row[expert] + __popc(peers & lanes_below);
+      __syncwarp();
+      if (keep) {
+        sorted_token_ids[row] = static_cast<int32_t>(pair);
+        if ((peers & lanes_below) == 0) next_row[expert] = row + __popc(peers);
+      }
+      __syncwarp();
+    }
   }
 }
 
@@ -128,15 +210,26 @@ __global__ void __launch_bounds__(kScanThreads)
                 num_tokens_post_padded);
 }
 
+// Up to kScatterSharedExperts experts, a warp's next rows live in shared memory while it steps:
+// each step reads back what the step before stored, a round trip to L2 in global memory.
+constexpr int kScatterSharedExperts = 1024;  // 16 KB for the block's 4 warps
+
 __global__ void __launch_bounds__(kScatterWarps * 32)
     moe_align_scatter(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
                       int64_t num_chunks, int32_t* __restrict__ chunk_rows,
                       int32_t* __restrict__ sorted_token_ids) {
+  __shared__ int32_t shared_rows[kScatterWarps][kScatterSharedExperts];
   prime_kernels::grid_dependency_wait();
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScatterWarps + threadIdx.x / 32;
+  const int warp = threadIdx.x / 32;
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScatterWarps + warp;
   if (chunk >= num_chunks) return;
-  align_scatter_chunk(topk_ids, num_pairs, num_experts, chunk, chunk_rows + chunk * num_experts,
-                      sorted_token_ids);
+  int32_t* next_row = chunk_rows + chunk * num_experts;
+  if (num_experts <= kScatterSharedExperts) {
+    for (int e = threadIdx.x % 32; e < num_experts; e += 32) shared_rows[warp][e] = next_row[e];
+    __syncwarp();
+    next_row = shared_rows[warp];
+  }
+  align_scatter_chunk(topk_ids, num_pairs, num_experts, chunk, next_row, sorted_token_ids);
 }
 
 // Up to kSmallChunks chunks (decode and small prefill sizes): the three passes in one block,
