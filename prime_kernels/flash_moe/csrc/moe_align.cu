@@ -82,12 +82,14 @@ __device__ __forceinline__ int32_t column_rows(int32_t* counts, int num_experts,
 // How many runs of chunks pass 2 splits each expert's column into, a thread a run. With one
 // expert a thread over all chunks, 32 of the block's threads worked at 128 experts: the offsets
 // kernel took 38.8 us at 256 chunks (H200, Qwen3-30B-A3B T = 32768, torch.profiler, its wait for
-// the histogram included), most of moe_align's time there. Up to 32 runs, so that the run sums an
-// owner adds up stay few; 1 past kScanThreads / 2 experts (each thread then owns whole columns,
-// as the scan does).
+// the histogram included), most of moe_align's time there. Up to 32 runs and no more than there
+// are chunks, so that the run sums an owner adds up stay few; 1 past kScanThreads / 2 experts
+// (each thread then owns whole columns, as the scan does).
 constexpr int kMaxColumnRuns = 32;
-__device__ __forceinline__ int column_runs(int num_experts) {
-  return num_experts > kScanThreads / 2 ? 1 : min(kMaxColumnRuns, kScanThreads / num_experts);
+__device__ __forceinline__ int column_runs(int num_experts, int64_t num_chunks) {
+  if (num_experts > kScanThreads / 2 || num_chunks <= 1) return 1;
+  const int most = min(kMaxColumnRuns, kScanThreads / num_experts);
+  return num_chunks < most ? int(num_chunks) : most;
 }
 
 // Pass 2, by a block of kScanThreads threads. chunk_counts (global or shared memory): the
@@ -101,7 +103,7 @@ __device__ __forceinline__ void align_offsets(int64_t num_chunks, int num_expert
   // Run r of expert e is slot r * E + e, thread slot's: its sum, then its first row.
   __shared__ int32_t run_rows[kScanThreads];
 
-  const int runs = column_runs(num_experts);
+  const int runs = column_runs(num_experts, num_chunks);
   const int64_t run_chunks = (num_chunks + runs - 1) / runs;
   const int slot = threadIdx.x;
   const int slot_expert = slot % num_experts;
@@ -115,17 +117,16 @@ __device__ __forceinline__ void align_offsets(int64_t num_chunks, int num_expert
   }
 
   // Thread t owns experts [t * kExpertsPerScanThread, ...): a blocked arrangement, so the
-  // block-wide exclusive scan of padded sizes gives each expert its segment start.
+  // block-wide exclusive scan of padded sizes gives each expert its segment start. An owner
+  // reads its experts' columns of the run sums, or of the chunk counts when there is one run.
+  int32_t* owner_counts = runs > 1 ? run_rows : chunk_counts;
+  const int64_t owner_rows = runs > 1 ? runs : num_chunks;
   int32_t padded[kExpertsPerScanThread];
   for (int i = 0; i < kExpertsPerScanThread; ++i) {
     const int expert = threadIdx.x * kExpertsPerScanThread + i;
     int32_t total = 0;
     if (expert < num_experts) {
-      if (runs > 1) {
-        for (int r = 0; r < runs; ++r) total += run_rows[r * num_experts + expert];
-      } else {
-        total = column_sum(chunk_counts, num_experts, expert, 0, num_chunks);
-      }
+      total = column_sum(owner_counts, num_experts, expert, 0, owner_rows);
     }
     padded[i] = (total + pad - 1) / pad * pad;
   }
@@ -144,16 +145,7 @@ __device__ __forceinline__ void align_offsets(int64_t num_chunks, int num_expert
       expert_ids[b] = expert;
     }
     // Each chunk's (or run's) count becomes its first destination row for this expert.
-    if (runs > 1) {
-      int32_t row = start[i];
-      for (int r = 0; r < runs; ++r) {
-        const int32_t count = run_rows[r * num_experts + expert];
-        run_rows[r * num_experts + expert] = row;
-        row += count;
-      }
-    } else {
-      column_rows(chunk_counts, num_experts, expert, 0, num_chunks, start[i]);
-    }
+    column_rows(owner_counts, num_experts, expert, 0, owner_rows, start[i]);
   }
   if (runs > 1) {
     __syncthreads();
