@@ -36,11 +36,23 @@ constexpr int kCombineThreads = 128;
 // sum still runs in order j = 0..k-1.
 constexpr int kCombinePairsInFlight = 8;
 
+// A pair's row, or -1 (no row, or one outside y).
+__device__ __forceinline__ int combine_row(const CombineParams& p, int pair0, int64_t j) {
+  const int row = j < p.top_k ? p.pair_to_row[pair0 + j] : -1;
+  return row < p.rows ? row : -1;
+}
+
 static __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const CombineParams p) {
-  prime_kernels::grid_dependency_wait();  // y comes from the down GEMM (a dependent launch)
   const int token = blockIdx.x;
   const int pair0 = token * p.top_k;
+  // The first pairs' rows are read before the wait: pair_to_row comes from a kernel the one
+  // this launch depends on waited for (the gate/up GEMM, before the down GEMM), so only y's
+  // loads wait for the down GEMM, and at decode sizes one dependent round trip less follows it.
+  int first_row[kCombinePairsInFlight];
+#pragma unroll
+  for (int u = 0; u < kCombinePairsInFlight; ++u) first_row[u] = combine_row(p, pair0, u);
+  prime_kernels::grid_dependency_wait();  // y comes from the down GEMM (a dependent launch)
   for (int c = threadIdx.x * 8; c < p.dim; c += kCombineThreads * 8) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t j0 = 0; j0 < p.top_k; j0 += kCombinePairsInFlight) {  // top_k near INT_MAX
@@ -48,8 +60,7 @@ static __global__ void __launch_bounds__(kCombineThreads)
       uint4 v[kCombinePairsInFlight];
 #pragma unroll
       for (int u = 0; u < kCombinePairsInFlight; ++u) {
-        row[u] = j0 + u < p.top_k ? p.pair_to_row[pair0 + j0 + u] : -1;
-        if (row[u] >= p.rows) row[u] = -1;
+        row[u] = j0 == 0 ? first_row[u] : combine_row(p, pair0, j0 + u);
         v[u] = row[u] >= 0 ? *reinterpret_cast<const uint4*>(p.y + size_t(row[u]) * p.dim + c)
                            : make_uint4(0, 0, 0, 0);
       }
