@@ -84,8 +84,19 @@ def test_block_sizes(flash_moe, seed, T, block_m, bpc):
     check_against_reference(flash_moe, ids, 32, block_m, bpc)
 
 
+# The offsets pass splits each expert's chunk counts into runs: 32 at E = 1 over 40 chunks, 3 at
+# E = 300, one at E = 1024 (the last count whose scatter keeps its next rows in shared memory).
 @pytest.mark.parametrize(
-    ("T", "E", "k"), [(32768, 128, 8), (20000, 4096, 8), (300, 1, 1), (8192, 4095, 2)]
+    ("T", "E", "k"),
+    [
+        (32768, 128, 8),
+        (20000, 4096, 8),
+        (300, 1, 1),
+        (8192, 4095, 2),
+        (40000, 1, 1),
+        (20000, 300, 4),
+        (20000, 1024, 8),
+    ],
 )
 def test_large_and_extreme_expert_counts(flash_moe, seed, T, E, k):
     generator = torch.Generator().manual_seed(seed)

@@ -236,7 +236,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   else
     __syncthreads();
   // Everything below reads what the kernel ahead wrote (the routing, A), except the B copies
-  // of a kBBeforeWait producer (its own wait follows them).
+  // of a kBBeforeWait producer (its own wait follows them). Every thread triggers its
+  // dependents only after its own wait: a dependent may then read, before its wait, what the
+  // kernels before this one wrote (moe_combine_kernel reads pair_to_row so).
   const bool b_before_wait = Kernel::kBBeforeWait && warpgroup == 0;
   if (!b_before_wait) {
     grid_dependency_wait();
