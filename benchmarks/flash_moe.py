@@ -111,6 +111,9 @@ FLOP_UNITS = {"fwd": 3, "fwd-train": 3, "fwd+bwd": 9, "bwd": 6}
 GRADS = ("dx", "dw", "dw2", "dtopk_weights")
 WEIGHT_READ_MAX_T = 1024
 PEERS = ("grouped-mm", "liger", "sonic")
+# SonicMoE autotuned beside the pinned row (the "sonicmoe at its best" column takes the faster):
+# opt-in, since QuACK's autotune costs tens of seconds of GPU time a shape.
+OPT_IN_PEERS = ("sonic-tuned",)
 PEER_PACKAGES = ("liger-kernel", "sonic-moe", "quack-kernels", "nvidia-cutlass-dsl")
 ERR_FLAG = 2e-2  # relative error vs grouped-mm above which a row is flagged
 # the MXFP8 rows' flag: the contract's bar against grouped-mm (quantizing the inputs alone
@@ -120,6 +123,7 @@ MXFP8_IMPLS = (peers.MXFP8, peers.MXFP8_QUANT)
 BF16 = "ours split=True"  # what the MXFP8 rows are compared with: fused_moe_mxfp8 splits too
 # the training forward's row of ours' forward op (no autograd), timed in the same rounds
 FORWARD_OP = "forward op"
+SONIC_TUNED = "sonicmoe autotuned"
 QUANTIZE = "quantize"  # the mode of the quantizers' rows
 QUANTIZE_BAR = (32768, 7168)  # the x shape of the quantizer's bar: >= 75% of the copy rate
 QUANTIZE_BAR_FRAC = 0.75
@@ -210,7 +214,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--peers",
         default=",".join(PEERS),
-        help=f"comma list of peers to time, of {','.join(PEERS)} (or 'none')",
+        help=f"comma list of peers to time, of {','.join(PEERS + OPT_IN_PEERS)} (or 'none'; "
+        f"default {','.join(PEERS)}); sonic-tuned times SonicMoE autotuned beside the pinned "
+        "sonic row",
     )
     p.add_argument("--no-ours", action="store_true", help="time the peers only")
     p.add_argument(
@@ -273,8 +279,10 @@ def parse_args(argv=None):
         else [s.strip().lower() for s in args.peers.split(",") if s.strip()]
     )
     for name in peer_names:
-        if name not in PEERS:
-            p.error(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
+        if name not in PEERS + OPT_IN_PEERS:
+            p.error(f"unknown peer {name!r}; known: {', '.join(PEERS + OPT_IN_PEERS)}")
+    if "sonic-tuned" in peer_names and args.tune_peers:
+        p.error("--tune-peers already autotunes the sonic row; leave sonic-tuned out")
     args.peer_list = peer_names
     args.mxfp8 = args.mxfp8 and not (args.training or args.no_ours)
     harness.finish_run_args(
@@ -455,7 +463,12 @@ def load_impls(args, device, session):
             session.skips.append({"impl": name, "reason": "needs a CUDA device"})
             continue
         try:
-            impl = peers.Liger() if name == "liger" else peers.Sonic(tuned=args.tune_peers)
+            if name == "liger":
+                impl = peers.Liger()
+            elif name == "sonic-tuned":
+                impl = peers.Sonic(tuned=True, name=SONIC_TUNED)
+            else:
+                impl = peers.Sonic(tuned=args.tune_peers)
             impls.append(impl)
             log(f"{impl.name}: {impl.note}")
         except peers.Skip as exc:
@@ -933,6 +946,11 @@ def legend(meta, mode):
         "with tuned=False (QuACK's default_config); SonicMoE's own default autotunes per shape, "
         "which `--tune-peers` times"
     )
+    if meta["peers"].get(SONIC_TUNED):
+        tuned += (
+            f"; `{SONIC_TUNED}` is SonicMoE at that default in the same rounds, and "
+            f"`{harness.best_name('sonicmoe')}` the faster of its two rows in each shape"
+        )
     parts = [harness.timing_sentence(meta), f"Peers {tuned}.", harness.SPEEDUP_LEGEND]
     if mode != "fwd":
         parts.append(TRAINING_LEGEND)

@@ -5,7 +5,9 @@ and the checks a self-test makes of what a run wrote.
 
 A benchmark's rows are dicts with at least ``impl`` (the name in the table), ``kind``
 (``"ours"``, ``"baseline"`` or ``"peer"``), ``config``, ``T`` (tokens), ``ms`` and, after
-:func:`add_speedups`, ``speedup`` (``{other impl: other ms / this ms}``). The results file
+:func:`add_speedups`, ``speedup`` (``{other impl: other ms / this ms}``). Rows of one peer
+timed at several settings share ``peer`` (the peer's name): the others' speedups then also
+hold ``"<peer> at its best"``, against the fastest of those rows of the shape. The results file
 is markdown whose op sections sit between ``<!-- OP:NAME -->`` and ``<!-- /OP:NAME -->``;
 a run rewrites its own sections and leaves every other byte of the file as it was.
 
@@ -405,11 +407,33 @@ def _positive(ms) -> bool:
     return ms is not None and math.isfinite(ms) and ms > 0
 
 
+def best_name(peer: str) -> str:
+    return f"{peer} at its best"
+
+
+def peer_settings(rows) -> dict[str, list[str]]:
+    """``{best_name(peer): [impl, ...]}`` for every peer that rows show at several settings."""
+    settings = {}
+    for r in rows:
+        if r.get("peer"):
+            settings.setdefault(r["peer"], list())
+            if r["impl"] not in settings[r["peer"]]:
+                settings[r["peer"]].append(r["impl"])
+    return {best_name(peer): impls for peer, impls in settings.items() if len(impls) > 1}
+
+
 def add_speedups(shape_rows):
     """Sets each row's ``speedup`` against every other row of the same shape; our variants
     are not compared with each other, and a time that is not a positive number (a
-    difference row's, see :func:`difference_rows`) is compared with nothing."""
+    difference row's, see :func:`difference_rows`) is compared with nothing. Where a peer
+    ran at several settings, rows other than that peer's are also compared with its fastest
+    (:func:`peer_settings`)."""
     times = {r["impl"]: r["ms"] for r in shape_rows if _positive(r["ms"])}
+    best = {
+        name: (impls, min(times[i] for i in impls))
+        for name, impls in peer_settings(shape_rows).items()
+        if all(i in times for i in impls)
+    }
     for r in shape_rows:
         r["speedup"] = (
             {
@@ -420,6 +444,10 @@ def add_speedups(shape_rows):
             if _positive(r["ms"])
             else {}
         )
+        if r["speedup"]:
+            for name, (impls, ms) in best.items():
+                if r["impl"] not in impls:
+                    r["speedup"][name] = ms / r["ms"]
 
 
 def difference_rows(total_rows, part_rows, mode, derive=None):
@@ -461,7 +489,7 @@ def geomeans(rows, large_T):
     over the shapes where both ran, over T in ``large_T`` and over all T."""
     out = []
     ours = list(dict.fromkeys(r["impl"] for r in rows if r["kind"] == "ours"))
-    names = list(dict.fromkeys(r["impl"] for r in rows))
+    names = list(dict.fromkeys(r["impl"] for r in rows)) + list(peer_settings(rows))
     for o in ours:
         for other in names:
             ratios_all, ratios_large = [], []
@@ -621,6 +649,8 @@ class Session:
                 ref = out
             del out
             row = {**where, "impl": row_name, "kind": impl.kind, "mode": mode, **row}
+            if getattr(impl, "peer", None):
+                row["peer"] = impl.peer
             note = impl.row_note(mode)
             if note:
                 row["note"] = note
@@ -689,8 +719,10 @@ MS_COLUMN = Column("ms", lambda r: fmt_ms(r["ms"]))
 
 
 def speedup_columns(rows):
-    """One ``x vs P`` column per impl that is not ours, in row order."""
+    """One ``x vs P`` column per impl that is not ours, in row order, then one per peer at its
+    best where it ran at several settings."""
     names = list(dict.fromkeys(r["impl"] for r in rows if r["kind"] != "ours"))
+    names += list(peer_settings(rows))
     return [
         Column(f"x vs {name}", lambda r, name=name: fmt(r["speedup"].get(name), ".2f"))
         for name in names

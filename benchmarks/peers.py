@@ -370,9 +370,22 @@ def _interleave_gate_up(w):
 
 
 class Sonic(Impl):
-    name = "sonicmoe"
+    """SonicMoE pinned to QuACK's default GEMM config (``tuned=False``) or autotuned per shape
+    (``tuned=True``, SonicMoE's own default). Both settings may be timed in one process: the
+    GEMM entry points SonicMoE's modules imported are switched to the setting of the instance
+    that calls, a comparison per call, a rebinding only where the setting changes."""
 
-    def __init__(self, tuned: bool):
+    name = "sonicmoe"
+    peer = "sonicmoe"
+    _GEMM_MODULES = (
+        "sonicmoe.functional",
+        "sonicmoe.functional.forward",
+        "sonicmoe.functional.backward",
+    )
+    _gemms = None  # (module, attribute) -> QuACK's function, as SonicMoE imported it
+    _pinned = None  # the setting the modules hold now
+
+    def __init__(self, tuned: bool, name: str | None = None):
         activate_pth_files()
         try:
             import sonicmoe
@@ -383,24 +396,23 @@ class Sonic(Impl):
         self.general = sonicmoe.moe_general_routing_inputs
         self.swiglu = ActivationType.SWIGLU
         self.tuned = tuned
-        if not tuned:
-            # QuACK's gemm/gemm_gated/gemm_dgated autotune per shape (tuned=True default);
-            # pin them to QuACK's default config instead, in every module that imported them.
+        if name is not None:
+            self.name = name
+        if Sonic._gemms is None:
             import importlib
 
-            for mod_name in (
-                "sonicmoe.functional",
-                "sonicmoe.functional.forward",
-                "sonicmoe.functional.backward",
-            ):
+            gemms = {}
+            for mod_name in Sonic._GEMM_MODULES:
                 try:
                     mod = importlib.import_module(mod_name)
                 except ImportError:
                     continue
                 for fn_name in ("gemm", "gemm_gated", "gemm_dgated"):
                     fn = getattr(mod, fn_name, None)
-                    if fn is not None and not isinstance(fn, functools.partial):
-                        setattr(mod, fn_name, functools.partial(fn, tuned=False))
+                    if fn is not None:
+                        gemms[(mod, fn_name)] = fn
+            Sonic._gemms = gemms
+        self._select()
         del functional
         self.concat = True  # set False by recover() if concat_layout proves wrong
         self.inference = True  # set False by recover() if is_inference_mode_enabled=True fails
@@ -409,6 +421,16 @@ class Sonic(Impl):
             for n in ("sonic-moe", "quack-kernels", "nvidia-cutlass-dsl")
         )
         self.note = f"{versions}, autotune {'on' if tuned else 'off'}"
+
+    def _select(self):
+        """QuACK's gemm/gemm_gated/gemm_dgated autotune per shape (tuned=True, their default);
+        pinned, every module that imported them calls them with tuned=False instead."""
+        pinned = not self.tuned
+        if Sonic._pinned is pinned:
+            return
+        for (mod, fn_name), fn in Sonic._gemms.items():
+            setattr(mod, fn_name, functools.partial(fn, tuned=False) if pinned else fn)
+        Sonic._pinned = pinned
 
     def settings(self):
         return {
@@ -466,6 +488,7 @@ class Sonic(Impl):
     def _call(self, x, scores, token, expert, w1, w2, inference):
         import torch
 
+        self._select()
         E = w2.shape[-1]
         stream = torch.cuda.current_stream().cuda_stream
         out, _ = self.general(
