@@ -283,6 +283,8 @@ def parse_args(argv=None):
             p.error(f"unknown peer {name!r}; known: {', '.join(PEERS + OPT_IN_PEERS)}")
     if "sonic-tuned" in peer_names and args.tune_peers:
         p.error("--tune-peers already autotunes the sonic row; leave sonic-tuned out")
+    if "sonic-tuned" in peer_names and "sonic" not in peer_names:
+        p.error("sonic-tuned is timed beside the pinned sonic row: add sonic to --peers")
     args.peer_list = peer_names
     args.mxfp8 = args.mxfp8 and not (args.training or args.no_ours)
     harness.finish_run_args(
@@ -949,7 +951,8 @@ def legend(meta, mode):
     if meta["peers"].get(SONIC_TUNED):
         tuned += (
             f"; `{SONIC_TUNED}` is SonicMoE at that default in the same rounds, and "
-            f"`{harness.best_name('sonicmoe')}` the faster of its two rows in each shape"
+            f"`{harness.best_name('sonicmoe')}` the faster of its two rows in each shape where "
+            "both ran"
         )
     parts = [harness.timing_sentence(meta), f"Peers {tuned}.", harness.SPEEDUP_LEGEND]
     if mode != "fwd":
@@ -1022,7 +1025,9 @@ DEFINITIONS = {
     "replaying a CUDA graph of the whole call (moe_align, allocations, the op), timed as the "
     "rest; graphed_frac_copy = weight_bytes / graphed_ms over ceilings.copy_gbps",
     "speedup": "other impl's ms / this row's ms (above 1: this row is faster); the MXFP8 "
-    f"rows also against {BF16!r}",
+    f"rows also against {BF16!r}; where a peer ran at several settings (rows sharing 'peer': "
+    f"sonicmoe and {SONIC_TUNED!r}), also against '<peer> at its best', the fastest of them in "
+    "the shape, set only where every setting ran",
     "rel_err": "||out - grouped-mm|| / ||grouped-mm||; fwd+bwd and bwd: the largest of "
     "rel_errs, the same per gradient (dx, dw, dw2, dtopk_weights) against grouped-mm "
     "autograd's",

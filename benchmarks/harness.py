@@ -7,7 +7,8 @@ A benchmark's rows are dicts with at least ``impl`` (the name in the table), ``k
 (``"ours"``, ``"baseline"`` or ``"peer"``), ``config``, ``T`` (tokens), ``ms`` and, after
 :func:`add_speedups`, ``speedup`` (``{other impl: other ms / this ms}``). Rows of one peer
 timed at several settings share ``peer`` (the peer's name): the others' speedups then also
-hold ``"<peer> at its best"``, against the fastest of those rows of the shape. The results file
+hold ``"<peer> at its best"``, against the fastest of those rows of the shape (only where every
+setting ran in it). The results file
 is markdown whose op sections sit between ``<!-- OP:NAME -->`` and ``<!-- /OP:NAME -->``;
 a run rewrites its own sections and leaves every other byte of the file as it was.
 
