@@ -456,6 +456,8 @@ def load_impls(args, device, session):
     if args.training and bf16 is not None:
         impls.append(ForwardOp(bf16))
     impls.append(peers.GroupedMM())  # always: the reference
+    if args.self_test:
+        impls += [SelfTestPeer(1), SelfTestPeer(2)]
     if not args.tune_peers:
         os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
     for name in args.peer_list:
@@ -522,6 +524,49 @@ class SelfTestOurs(peers.Impl):
     def train_step(self, state, topk_ids):
         ref = self.ref
         return lambda x, w, w2, topk_weights: ref(x, w, w2, topk_ids, topk_weights)
+
+
+class SelfTestPeer(peers.Impl):
+    """CPU stand-in in self-tests for a peer timed at two settings (SonicMoE pinned and
+    autotuned): the grouped-mm path, run ``repeats`` times a call, the rows sharing ``peer``,
+    so that ours' rows are compared with the faster setting too."""
+
+    peer = "stand-in"
+
+    def __init__(self, repeats):
+        from prime_kernels.flash_moe import reference
+
+        self.ref = reference.moe_grouped_mm
+        self.repeats = repeats
+        self.name = self.peer if repeats == 1 else f"{self.peer} x{repeats}"
+
+    def settings(self):
+        return {
+            **super().settings(),
+            "repeats": self.repeats,
+            "stand-in": "reference.moe_grouped_mm",
+        }
+
+    def forward(self, state, x, topk_ids, topk_weights):
+        w, w2 = state
+        ref, repeats = self.ref, self.repeats
+
+        def fn():
+            for _ in range(repeats - 1):
+                ref(x, w, w2, topk_ids, topk_weights)
+            return ref(x, w, w2, topk_ids, topk_weights)
+
+        return fn
+
+    def train_step(self, state, topk_ids):
+        ref, repeats = self.ref, self.repeats
+
+        def step(x, w, w2, topk_weights):
+            for _ in range(repeats - 1):
+                ref(x, w, w2, topk_ids, topk_weights)
+            return ref(x, w, w2, topk_ids, topk_weights)
+
+        return step
 
 
 class SelfTestMxfp8(peers.OursMxfp8):
@@ -1190,12 +1235,15 @@ def check_rows(args, doc):
     rates, speedups, errors (the four gradients' in fwd+bwd) and memory where due."""
     problems = []
     ours = [] if args.no_ours else ["ours split=True", "ours split=False"]
+    stand_ins = {SelfTestPeer(1).name, SelfTestPeer(2).name}
     if args.training:
-        want = {mode: {"grouped-mm", *(["ours"] if ours else [])} for mode in TRAINING_MODES}
+        want = {
+            mode: {"grouped-mm", *stand_ins, *(["ours"] if ours else [])} for mode in TRAINING_MODES
+        }
         if ours:
             want["fwd-train"].add(FORWARD_OP)
     else:
-        want = {"fwd": {"grouped-mm", *ours, *(MXFP8_IMPLS if args.mxfp8 else ())}}
+        want = {"fwd": {"grouped-mm", *stand_ins, *ours, *(MXFP8_IMPLS if args.mxfp8 else ())}}
     shapes = [(T, SOFTMAX) for T in args.tokens_list]
     shapes += [(T, zipf_name(args.zipf_s)) for _, T in args.zipf_list]
     if args.mxfp8:
@@ -1246,6 +1294,22 @@ def check_rows(args, doc):
             errs = r.get("rel_errs") or {}
             if set(errs) != set(GRADS) or None in errs.values():
                 problems.append(f"{where}: gradient errors {errs}")
+        best = harness.best_name(SelfTestPeer.peer)
+        settings = [
+            x["ms"]
+            for x in doc["rows"]
+            if x.get("peer") == SelfTestPeer.peer
+            and (x["config"], x["T"], x["routing"], x["mode"])
+            == (r["config"], r["T"], r["routing"], r["mode"])
+        ]
+        if r.get("peer") != SelfTestPeer.peer and r["speedup"] and math.isfinite(r["ms"]):
+            expected = min(settings) / r["ms"] if all(ms > 0 for ms in settings) else None
+            got = r["speedup"].get(best)
+            wrong = len(settings) != 2 or (got is None) != (expected is None)
+            if not wrong and expected is not None:
+                wrong = abs(got - expected) > 1e-9 * expected
+            if wrong:
+                problems.append(f"{where}: speedup against {best} {got}, expected {expected}")
         if r["mode"] == "bwd" and abs(r["ms"] - (r["total_ms"] - r["part_ms"])) > 1e-9:
             problems.append(f"{where}: backward is not fwd+bwd - fwd-train")
         if r["routing"] != SOFTMAX and not r["load_max_over_mean"] > 1:
