@@ -417,10 +417,8 @@ def peer_settings(rows) -> dict[str, list[str]]:
     settings = {}
     for r in rows:
         if r.get("peer"):
-            settings.setdefault(r["peer"], list())
-            if r["impl"] not in settings[r["peer"]]:
-                settings[r["peer"]].append(r["impl"])
-    return {best_name(peer): impls for peer, impls in settings.items() if len(impls) > 1}
+            settings.setdefault(r["peer"], {})[r["impl"]] = None  # a dict keeps row order
+    return {best_name(peer): list(impls) for peer, impls in settings.items() if len(impls) > 1}
 
 
 def add_speedups(shape_rows):

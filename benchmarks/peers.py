@@ -373,7 +373,8 @@ class Sonic(Impl):
     """SonicMoE pinned to QuACK's default GEMM config (``tuned=False``) or autotuned per shape
     (``tuned=True``, SonicMoE's own default). Both settings may be timed in one process: the
     GEMM entry points SonicMoE's modules imported are switched to the setting of the instance
-    that calls, a comparison per call, a rebinding only where the setting changes."""
+    that calls (``_call``, which every forward and training step goes through), a comparison
+    per call, a rebinding only where the setting changes."""
 
     name = "sonicmoe"
     peer = "sonicmoe"
@@ -412,7 +413,6 @@ class Sonic(Impl):
                     if fn is not None:
                         gemms[(mod, fn_name)] = fn
             Sonic._gemms = gemms
-        self._select()
         del functional
         self.concat = True  # set False by recover() if concat_layout proves wrong
         self.inference = True  # set False by recover() if is_inference_mode_enabled=True fails
