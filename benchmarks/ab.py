@@ -1,7 +1,8 @@
 """A/B of two builds of prime_kernels' flash_moe, each measured in its own processes.
 
     python benchmarks/ab.py --a PATH_A --b PATH_B [--rounds 3] [--configs qwen3,...]
-                            [--tokens 64,1024,...] [--splits true,false] [--mode fwd|train]
+                            [--tokens 64,1024,...] [--splits true,false]
+                            [--mode fwd|train|mxfp8]
 
 PATH_A and PATH_B are source trees of prime_kernels, each built in place (e.g. /work/main
 and a copy of an older commit under scratch/). Both register torch.ops.prime_moe, which a
@@ -14,7 +15,9 @@ A child creates each config's weights once, and every input, from --seed (the sa
 A and B: each child records an exact fingerprint of its inputs, and the parent compares
 them), then times ours as benchmarks/flash_moe.py's "ours" does (moe_align +
 fused_moe_bf16; split=False includes zeroing out; with --mode train, the training step
-flash_moe.moe forward plus the backward of x, w, w2 and topk_weights) with harness.Timer:
+flash_moe.moe forward plus the backward of x, w, w2 and topk_weights; with --mode mxfp8,
+moe_align + fused_moe_mxfp8 split=True on inputs quantized once outside the timing, as
+flash_moe.py's ours-mxfp8 row) with harness.Timer:
 CUDA events, median, after warm-up, with a buffer larger than L2 zeroed before every call,
 so that inputs come from HBM. In its first round each build's outputs (the largest of the
 four gradients' errors, in train mode) are checked against reference.py's grouped-mm path
@@ -87,9 +90,10 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--mode",
-        choices=("fwd", "train"),
+        choices=("fwd", "train", "mxfp8"),
         default="fwd",
-        help="fwd: the forward op; train: moe() forward + backward (one row per shape)",
+        help="fwd: the forward op; train: moe() forward + backward; mxfp8: fused_moe_mxfp8 "
+        "(one row per shape for train and mxfp8)",
     )
     p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warmup (default 25)")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench rep (default 100)")
@@ -119,8 +123,8 @@ def parse_args(argv=None):
             p.error("--a and --b are required (or --self-test)")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    if args.mode == "train":
-        args.splits = [True]  # moe() runs the split forward; no split choice
+    if args.mode in ("train", "mxfp8"):
+        args.splits = [True]  # moe() runs the split forward; ours-mxfp8 is timed split
     return args
 
 
@@ -173,6 +177,8 @@ def child(args):
             doc["build"]["flash_moe"] = fm.__file__
 
             def make_impl(split):
+                if args.mode == "mxfp8":
+                    return peers.OursMxfp8(fm, quantize_each_call=False)
                 return peers.Ours(fm, split)
 
         timer = harness.Timer(device, args.warmup_ms, args.rep_ms)
