@@ -24,7 +24,8 @@ four gradients' errors, in train mode) are checked against reference.py's groupe
 (relative error).
 
 Prints config | T | split | A ms | B ms (medians over rounds) | A/B of each round | their
-median (above 1: B is faster) | both rel errs, then the geometric mean of the median
+median (above 1: B is faster) | the SM clock each ran at (NVML, median over rounds: at the power
+cap a faster build may run at a lower clock) | both rel errs, then the geometric mean of the median
 ratios, and writes every child's raw numbers and the summary to $OUT/ab.json (or --json).
 ``--self-test`` runs it all on CPU at a toy shape, with grouped-mm standing in for ours
 and a second tree that links to this one's prime_kernels, and checks the result.
@@ -255,6 +256,8 @@ def time_config(args, doc, cfg, config, impls, timer, reference, device):
                     entry["rel_err"] = reference.relative_error(out, ref)
                 del out
                 entry["ms"] = timer.median_ms(fn)
+                if timer.last_clocks:
+                    entry["clocks"] = timer.last_clocks
                 log(
                     f"  {label} T={T} split={split}: {harness.fmt_ms(entry['ms'])} ms"
                     + (f", rel err {entry['rel_err']:.2e}" if ref is not None else "")
@@ -346,6 +349,13 @@ def summarize(args, rounds):
                     "b_median_ms": median([m for m in ms["b"] if m]),
                     "ratios": ratios,
                     "median_ratio": median(done),
+                    # the SM clock (MHz) each side ran at, its median over rounds (NVML)
+                    **{
+                        f"{side}_sm_clock_mhz": median(
+                            [e["clocks"]["sm_clock_mhz"] for e in per[side] if "clocks" in e]
+                        )
+                        for side in "ab"
+                    },
                     "a_rel_err": per["a"][0].get("rel_err"),
                     "b_rel_err": per["b"][0].get("rel_err"),
                     # None: no run of this shape got as far as its inputs
@@ -382,6 +392,13 @@ def table(rows):
             "A/B per round", lambda r: " ".join(harness.fmt(x, ".3f", "-") for x in r["ratios"])
         ),
         harness.value_column("median A/B", "median_ratio", ".3f"),
+        harness.Column(
+            "A / B MHz",
+            lambda r: (
+                f"{harness.fmt(r['a_sm_clock_mhz'], '.0f', '-')} / "
+                f"{harness.fmt(r['b_sm_clock_mhz'], '.0f', '-')}"
+            ),
+        ),
         harness.Column("A rel err", err("a_rel_err")),
         harness.Column("B rel err", err("b_rel_err")),
     ]

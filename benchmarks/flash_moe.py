@@ -1088,6 +1088,9 @@ DEFINITIONS = {
     "experts, weights a softmax over normal logits at those experts, renormalized; "
     "load_max_over_mean: the busiest expert's pairs over T*k/E",
     "geomeans": f"over softmax-routed shapes only; large_T = T in {list(LARGE_T)}",
+    "clocks": "NVML samples every 20 ms while a row was timed (harness.GpuClocks): sm_clock_mhz "
+    "and power_w the medians over its rounds, power_capped and thermal the fractions of samples "
+    "with the software power cap, or a heat or power-brake slowdown, holding the clock down",
 }
 
 

@@ -57,6 +57,105 @@ def log(msg=""):
 
 # --------------------------------------------------------------------------- timing
 
+# NVML's clock-event reasons (nvmlClocksEventReason*): the software power cap, and the slowdowns
+# for heat or a power brake.
+POWER_CAP_REASON = 0x4
+THERMAL_REASONS = 0x8 | 0x20 | 0x40 | 0x80
+
+
+class GpuClocks:
+    """The SM clock, board power and clock-event reasons of the timed GPU, sampled by NVML
+    every ``period_s`` in a background thread while a measurement runs (``with``): a forward
+    at prefill sizes runs at the power cap, where the clock, not the code, moves a row by
+    5-10% between runs. ``summary()``: ``sm_clock_mhz`` and ``power_w`` (medians),
+    ``power_capped`` and ``thermal`` (fractions of samples with those reasons), ``samples``;
+    None on CPU, without NVML (nvidia-ml-py), or with no sample taken."""
+
+    def __init__(self, device, period_s: float = 0.02):
+        self.device = device
+        self.period_s = period_s
+        self.samples = []
+        self._handle = None
+        self._thread = None
+        self._stop = None
+        if getattr(device, "type", None) != "cuda":
+            return
+        try:
+            import pynvml
+            import torch
+
+            pynvml.nvmlInit()
+            # torch's own mapping from a CUDA device to its NVML index (CUDA_VISIBLE_DEVICES).
+            index = torch.cuda._get_nvml_device_index(device)
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+            # the name before nvidia-ml-py 12.535: ...ThrottleReasons
+            self._reasons = getattr(
+                pynvml,
+                "nvmlDeviceGetCurrentClocksEventReasons",
+                getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None),
+            )
+        except Exception:
+            self._handle = None
+
+    def _sample(self):
+        nvml = self._nvml
+        clock = nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)
+        power = nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0
+        reasons = self._reasons(self._handle)
+        self.samples.append((clock, power, reasons))
+
+    def _run(self):
+        while not self._stop.wait(self.period_s):
+            try:
+                self._sample()
+            except Exception:
+                return
+
+    def __enter__(self):
+        if self._handle is not None:
+            import threading
+
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        return False
+
+    def summary(self):
+        if not self.samples:
+            return None
+        clocks, powers, reasons = zip(*self.samples)
+        return {
+            "sm_clock_mhz": statistics.median(clocks),
+            "power_w": round(statistics.median(powers), 1),
+            "power_capped": round(
+                sum(bool(r & POWER_CAP_REASON) for r in reasons) / len(reasons), 3
+            ),
+            "thermal": round(sum(bool(r & THERMAL_REASONS) for r in reasons) / len(reasons), 3),
+            "samples": len(reasons),
+        }
+
+
+def merge_clocks(summaries):
+    """One summary from several measurements' (rounds of a row): medians of their medians and
+    the mean of their fractions; None where none has samples."""
+    summaries = [c for c in summaries if c]
+    if not summaries:
+        return None
+    return {
+        "sm_clock_mhz": statistics.median(c["sm_clock_mhz"] for c in summaries),
+        "power_w": round(statistics.median(c["power_w"] for c in summaries), 1),
+        "power_capped": round(statistics.fmean(c["power_capped"] for c in summaries), 3),
+        "thermal": round(statistics.fmean(c["thermal"] for c in summaries), 3),
+        "samples": sum(c["samples"] for c in summaries),
+    }
+
 
 class Timer:
     """Median of CUDA-event timings through triton's do_bench, which zeroes a buffer larger
@@ -69,6 +168,7 @@ class Timer:
         self.warmup_ms = warmup_ms
         self.rep_ms = rep_ms
         self.rounds = max(1, rounds)
+        self.last_clocks = None  # GpuClocks.summary() of the last median_ms
 
     def sync(self):
         import torch
@@ -85,10 +185,15 @@ class Timer:
         return out, time.perf_counter() - t0
 
     def median_ms(self, fn) -> float:
+        """The median; ``last_clocks`` then holds the GPU's clocks while it ran."""
+        self.last_clocks = None
         if self.device.type == "cuda":
             from triton.testing import do_bench
 
-            return float(do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+            with GpuClocks(self.device) as clocks:
+                ms = do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+            self.last_clocks = clocks.summary()
+            return float(ms)
         fn()
         times = []
         for _ in range(5):
@@ -457,7 +562,16 @@ def difference_rows(total_rows, part_rows, mode, derive=None):
     ``derive(row)`` returns; speedups set. A difference that is not positive (noise on a
     tiny shape) is kept as NaN with a note, and neither derives rates nor compares."""
     parts = {r["impl"]: r for r in part_rows}
-    measured = {"ms", "ms_rounds", "speedup", "first_call_s", "peak_gb", "extra_gb", "held_gb"}
+    measured = {
+        "ms",
+        "ms_rounds",
+        "clocks",
+        "speedup",
+        "first_call_s",
+        "peak_gb",
+        "extra_gb",
+        "held_gb",
+    }
     rows = []
     for total in total_rows:
         part = parts.get(total["impl"])
@@ -596,6 +710,7 @@ class Session:
         if memory:
             row.update(memory_gb(fn, self.device))
         row["ms"] = self.timer.median_ms(fn)
+        row["clock_rounds"] = [self.timer.last_clocks]
         return row, out, fn
 
     def time_shape(
@@ -664,6 +779,7 @@ class Session:
             for row, fn in timed[::-1] if r % 2 else timed:
                 try:
                     row["ms_rounds"].append(self.timer.median_ms(fn))
+                    row["clock_rounds"].append(self.timer.last_clocks)
                 except Exception as exc:
                     log(f"  {row['impl']}: round {r + 1} failed: {first_line(exc)}")
                     if not self.check_context():
@@ -671,6 +787,9 @@ class Session:
         del timed
         for row in rows:
             row["ms"] = statistics.median(row["ms_rounds"])
+            clocks = merge_clocks(row.pop("clock_rounds"))
+            if clocks:
+                row["clocks"] = clocks
             if derive:
                 row.update(derive(row))
             log(row_line(row))
@@ -696,9 +815,15 @@ def row_line(r) -> str:
         )
         peak += f", held {fmt(r['held_gb'], '.2f', 'n/a')}"
     first = f"  first call {r['first_call_s']:.1f} s" if "first_call_s" in r else ""
+    clocks = ""
+    if r.get("clocks"):
+        c = r["clocks"]
+        clocks = (
+            f"  {c['sm_clock_mhz']:.0f} MHz {c['power_w']:.0f} W, capped {c['power_capped']:.0%}"
+        )
     return (
         f"  T={r['T']:<6} {r['impl']:<18} {r['mode']:<9} {fmt_ms(r['ms']):>9} ms{rate}"
-        f"{first}  rel err {fmt(r['rel_err'], '.2e', 'n/a')}{peak}"
+        f"{first}  rel err {fmt(r['rel_err'], '.2e', 'n/a')}{peak}{clocks}"
     )
 
 

@@ -37,3 +37,36 @@ def test_benchmark_self_test(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "self-test passed" in result.stdout, output[-4000:]
+
+
+def test_gpu_clock_summaries():
+    """harness.GpuClocks' summary of NVML samples (clock MHz, power W, clock-event reasons) and
+    merge_clocks over a row's rounds; on CPU nothing is sampled."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("harness", ROOT / "benchmarks" / "harness.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+
+    class Cpu:
+        type = "cpu"
+
+    with harness.GpuClocks(Cpu()) as clocks:
+        pass
+    assert clocks.summary() is None
+    clocks.samples = [(1500, 690.0, 0x4), (1400, 700.0, 0x4 | 0x1), (1980, 300.0, 0x1)]
+    first = clocks.summary()
+    assert first == {
+        "sm_clock_mhz": 1500,
+        "power_w": 690.0,
+        "power_capped": 0.667,
+        "thermal": 0.0,
+        "samples": 3,
+    }
+    clocks.samples = [(1200, 700.0, 0x20)]
+    second = clocks.summary()
+    assert second["thermal"] == 1.0 and second["power_capped"] == 0.0
+    merged = harness.merge_clocks([first, None, second])
+    assert merged["sm_clock_mhz"] == 1350 and merged["samples"] == 4
+    assert merged["power_capped"] == round((0.667 + 0.0) / 2, 3)
+    assert harness.merge_clocks([None, None]) is None
