@@ -872,6 +872,15 @@ def columns(rows, mode):
         harness.value_column("TFLOP/s", "tflops", ".1f"),
         harness.value_column("of dense", "frac_dense", ".1%"),
     ]
+    if any(r.get("clocks") for r in rows):
+        cols.append(
+            harness.Column(
+                "SM MHz",
+                lambda r: (
+                    harness.fmt(r["clocks"]["sm_clock_mhz"], ".0f") if r.get("clocks") else ""
+                ),
+            )
+        )
     if mode == "fwd":
         cols += [
             harness.Column(
@@ -996,7 +1005,13 @@ def legend(meta, mode):
             f"`{harness.best_name('sonicmoe')}` the faster of its two rows in each shape where "
             "both ran"
         )
-    parts = [harness.timing_sentence(meta), f"Peers {tuned}.", harness.SPEEDUP_LEGEND]
+    parts = [
+        harness.timing_sentence(meta),
+        f"Peers {tuned}.",
+        harness.SPEEDUP_LEGEND,
+        "SM MHz = the median SM clock while the row was timed (NVML; the JSON's `clocks` also "
+        "hold the board power and the share of samples the power cap held the clock down).",
+    ]
     if mode != "fwd":
         parts.append(TRAINING_LEGEND)
     parts.append(f"{MODE_LEGEND[mode]}; (!) marks > {ERR_FLAG:g}.")
