@@ -19,7 +19,25 @@
   } while (0)
 constexpr int kChains = 8, kIters = 4096;
 
-__global__ void cvt_kernel(uint32_t* out, uint32_t seed) {
+// One word of four e4m3 widened to two f16x2 registers.
+struct CvtWiden {
+  static constexpr const char* kName = "cvt.rn.f16x2.e4m3x2";
+  __device__ __forceinline__ static void widen(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"(uint16_t(w)));
+    asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"(uint16_t(w >> 16)));
+  }
+};
+struct BitTrickWiden {
+  static constexpr const char* kName = "bit trick";
+  __device__ __forceinline__ static void widen(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    hi = (w & 0x80008000u) | ((w & 0x7F007F00u) >> 1);
+    w <<= 8;
+    lo = (w & 0x80008000u) | ((w & 0x7F007F00u) >> 1);
+  }
+};
+
+template <class Widen>
+__global__ void widen_kernel(uint32_t* out, uint32_t seed) {
   uint32_t x[kChains];
 #pragma unroll
   for (int c = 0; c < kChains; ++c) x[c] = seed * (threadIdx.x + 7 * c + 1);
@@ -27,10 +45,8 @@ __global__ void cvt_kernel(uint32_t* out, uint32_t seed) {
 #pragma unroll
     for (int c = 0; c < kChains; ++c) {
       uint32_t lo, hi;
-      const uint16_t a = uint16_t(x[c]), b = uint16_t(x[c] >> 16);
-      asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"(a));
-      asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"(b));
-      x[c] = (lo ^ hi) + c;  // two widened registers per word of 4 e4m3, folded for the chain
+      Widen::widen(x[c], lo, hi);
+      x[c] = (lo ^ hi) + c;  // both registers folded into the next word: a dependent chain
     }
   }
   uint32_t r = 0;
@@ -39,24 +55,23 @@ __global__ void cvt_kernel(uint32_t* out, uint32_t seed) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = r;
 }
 
-__global__ void bits_kernel(uint32_t* out, uint32_t seed) {
-  uint32_t x[kChains];
-#pragma unroll
-  for (int c = 0; c < kChains; ++c) x[c] = seed * (threadIdx.x + 7 * c + 1);
-  for (int i = 0; i < kIters; ++i) {
-#pragma unroll
-    for (int c = 0; c < kChains; ++c) {
-      uint32_t w = x[c];
-      const uint32_t hi = (w & 0x80008000u) | ((w & 0x7F007F00u) >> 1);
-      w <<= 8;
-      const uint32_t lo = (w & 0x80008000u) | ((w & 0x7F007F00u) >> 1);
-      x[c] = (lo ^ hi) + c;
-    }
+template <class Widen>
+int time_widen(const cudaDeviceProp& prop, int clk_khz, uint32_t* out, int blocks, int threads,
+               cudaEvent_t a, cudaEvent_t b) {
+  for (int rep = 0; rep < 3; ++rep) {
+    CK(cudaEventRecord(a));
+    widen_kernel<Widen><<<blocks, threads>>>(out, 12345u + rep);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    const double values = 4.0 * blocks * threads * kIters * kChains;
+    printf("%s: %.3f ms, %.1f G e4m3 widened/s, %.1f e4m3 per SM per clock at %d MHz max\n",
+           Widen::kName, ms, values / ms / 1e6,
+           values / (ms * 1e-3) / prop.multiProcessorCount / (clk_khz * 1e3), clk_khz / 1000);
   }
-  uint32_t r = 0;
-#pragma unroll
-  for (int c = 0; c < kChains; ++c) r ^= x[c];
-  out[blockIdx.x * blockDim.x + threadIdx.x] = r;
+  return 0;
 }
 
 int main() {
@@ -70,23 +85,6 @@ int main() {
   CK(cudaEventCreate(&b));
   int clk_khz = 0;
   CK(cudaDeviceGetAttribute(&clk_khz, cudaDevAttrClockRate, 0));
-  for (int k = 0; k < 2; ++k) {
-    for (int rep = 0; rep < 3; ++rep) {
-      CK(cudaEventRecord(a));
-      if (k == 0)
-        cvt_kernel<<<blocks, threads>>>(out, 12345u + rep);
-      else
-        bits_kernel<<<blocks, threads>>>(out, 12345u + rep);
-      CK(cudaEventRecord(b));
-      CK(cudaEventSynchronize(b));
-      CK(cudaGetLastError());
-      float ms;
-      CK(cudaEventElapsedTime(&ms, a, b));
-      const double words = double(blocks) * threads * kIters * kChains;  // 4 e4m3 each
-      printf("%s: %.3f ms, %.1f G e4m3 widened/s, %.1f e4m3 per SM per clock at %d MHz max\n",
-             k == 0 ? "cvt.rn.f16x2.e4m3x2" : "bit trick", ms, words * 4 / ms / 1e6,
-             words * 4 / (ms * 1e-3) / prop.multiProcessorCount / (clk_khz * 1e3), clk_khz / 1000);
-    }
-  }
-  return 0;
+  if (time_widen<CvtWiden>(prop, clk_khz, out, blocks, threads, a, b) != 0) return 1;
+  return time_widen<BitTrickWiden>(prop, clk_khz, out, blocks, threads, a, b);
 }

@@ -1,7 +1,7 @@
 """A model of how an sm_90a e4m3 wgmma sums a k32 block, fitted to fp8_wgmma_sums.cu's
 measurements, and what it does to fused_moe_mxfp8's exactness check (CPU only).
 
-    python benchmarks/probes/fp8_wgmma_model.py [--cases 0,1,3,4] [--seeds 0,1]
+    python benchmarks/probes/fp8_wgmma_model.py [--cases 0,8,11,13] [--seeds 0,1]
 
 The model: every product is exact; each is truncated toward zero to a multiple of 2^(r - 13),
 r the largest exponent sum ea + eb over the block's 32 products (subnormal e4m3 counted at
@@ -13,7 +13,7 @@ k32 results promoted in fp32, of 4.427e-5 (4.426e-5; with the half-unit bit 3.71
 The forward emulated with that model in one or both GEMMs (each k32 block's sum promoted in
 fp32 times both scales, h re-quantized as the kernel does, split=True) is compared with
 reference.moe_mxfp8_emulation, the exact-MX bar of tests/test_fused_moe_mxfp8.py (3e-3), over
-cases of tests/test_fused_moe_bf16.py's grid. Variants: the half-unit bit set on each block
+cases of tests/test_fused_moe_bf16.py's grid, with its routings. Variants: the half-unit bit set on each block
 result, and the k32 block summed as k16 halves or k8 quarters (the other products zeroed).
 """
 
@@ -30,16 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from prime_kernels.flash_moe import mxfp8, reference  # noqa: E402
-
-# (T, D, H, E, k, routing) from tests/test_fused_moe_bf16.py's CASES
-CASES = [
-    (512, 256, 128, 4, 2, "uniform"),
-    (300, 64, 192, 8, 2, "zipf"),
-    (4096, 512, 256, 8, 1, "uniform"),
-    (1000, 512, 256, 16, 2, "uniform"),
-    (300, 512, 256, 32, 16, "uniform"),
-    (600, 256, 128, 64, 16, "zipf"),
-]
+from tests.test_fused_moe_bf16 import CASES  # noqa: E402
+from tests.test_moe_align import make_ids  # noqa: E402
 
 
 def operand(values, scales):
@@ -155,18 +147,9 @@ def fit(rows=200_000, seed=0):
     )
 
 
-def make_ids(kind, T, E, k, gen):
-    if kind == "uniform":
-        return torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).int()
-    p = 1.0 / torch.arange(1, E + 1) ** 1.2  # zipf
-    return torch.stack(
-        [torch.multinomial(p, k, replacement=False, generator=gen) for _ in range(T)]
-    ).int()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="0,1,3,4")
+    ap.add_argument("--cases", default="0,8,11,13", help="indices into the bf16 tests' CASES")
     ap.add_argument("--seeds", default="0,1")
     args = ap.parse_args(argv)
     fit()
