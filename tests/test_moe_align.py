@@ -63,12 +63,22 @@ def check_against_reference(flash_moe, ids, E, block_m, bpc):
 
 @pytest.mark.sanitize
 @pytest.mark.parametrize("kind", ["uniform", "zipf", "one_expert", "empty_experts", "dropped"])
-# Up to 8 chunks of 1024 pairs (8 x E bins <= 8192, at most 65536 padded rows) moe_align runs in
-# one block, past that in three passes: (1024, 32, 4) and (1000, 128, 8) take the one block
-# with 4 and 8 chunks, (1200, 128, 8) and (4096, 64, 4) the passes.
+# moe_align runs in one block while its runs of consecutive pairs (up to 32 runs of at most 8
+# steps of 32 pairs, runs x E <= 8192 bins) hold them all and the padded length is at most 65536,
+# past that in three passes: (1024, 32, 4), (1000, 128, 8) and (1024, 128, 8) take the one block
+# with 32 runs of 4, 8 (the last one short) and 8 (all full) steps, (1200, 128, 8) and
+# (4096, 64, 4) the passes.
 @pytest.mark.parametrize(
     ("T", "E", "k"),
-    [(1, 8, 2), (7, 4, 1), (1024, 32, 4), (1000, 128, 8), (1200, 128, 8), (4096, 64, 4)],
+    [
+        (1, 8, 2),
+        (7, 4, 1),
+        (1024, 32, 4),
+        (1000, 128, 8),
+        (1024, 128, 8),
+        (1200, 128, 8),
+        (4096, 64, 4),
+    ],
 )
 def test_routing_kinds(flash_moe, seed, kind, T, E, k):
     generator = torch.Generator().manual_seed(seed)
@@ -82,6 +92,17 @@ def test_block_sizes(flash_moe, seed, T, block_m, bpc):
     generator = torch.Generator().manual_seed(seed)
     ids = make_ids("zipf", T, 32, 4, generator).cuda()
     check_against_reference(flash_moe, ids, 32, block_m, bpc)
+
+
+# Past 256 experts the one block has fewer runs (8192 bins / E), so fewer pairs: 8 runs of 7 steps
+# at E = 1024, 2 of 8 (full, then one pair over: the passes) at E = 4096. block_m = 16 keeps the
+# padded length within the one block's 65536 rows.
+@pytest.mark.sanitize
+@pytest.mark.parametrize(("T", "E", "k"), [(200, 1024, 8), (64, 4096, 8), (65, 4096, 8)])
+def test_one_block_with_many_experts(flash_moe, seed, T, E, k):
+    generator = torch.Generator().manual_seed(seed)
+    ids = make_ids("zipf", T, E, k, generator).cuda()
+    check_against_reference(flash_moe, ids, E, 16, 1)
 
 
 # The offsets pass splits each expert's chunk counts into runs: 32 at E = 1 over 40 chunks, 3 at

@@ -562,7 +562,8 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
   if (c.split) {
     CombineParams cp{ws.y,        ws.pair_to_row, pr.topk_weights,   pr.out,
                      int(pr.dim), int(pr.top_k),  int(pr.max_padded)};
-    err = prime_kernels::launch_kernel(moe_combine_kernel, dim3(unsigned(pr.num_tokens)),
+    err = prime_kernels::launch_kernel(moe_combine_kernel,
+                                       combine_grid(pr.num_tokens, int(pr.dim), num_sms),
                                        dim3(kCombineThreads), 0, stream, dependent, cp);
     if (err != cudaSuccess) return err;
   }

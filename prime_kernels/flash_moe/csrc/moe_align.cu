@@ -7,8 +7,10 @@
 //   3. one warp per chunk walks its pairs in index order and places them, ranking equal
 //      experts inside a step with __match_any_sync, so each segment is stable by pair index.
 // Passes 2 and 3 launch as programmatic dependents of the pass before (grid_dependency.cuh).
-// Up to kSmallChunks chunks, one block runs all three (moe_align_small).
+// At decode and small prefill sizes one block does the whole align instead (moe_align_small).
 #include <cub/block/block_scan.cuh>
+
+#include <algorithm>
 
 #include "flash_moe_constants.h"
 #include "moe_align.h"
@@ -224,46 +226,126 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
   align_scatter_chunk(topk_ids, num_pairs, num_experts, chunk, next_row, sorted_token_ids);
 }
 
-// Up to kSmallChunks chunks (decode and small prefill sizes): the three passes in one block,
-// the (chunk, expert) bins in shared memory, and sorted_token_ids' -1 fill too. The four stream
-// operations of the passes spanned 14 us of the whole forward's 141 at T = 64 (H200, orig
-// config: E = 32, k = 4), most of it launch latency and the gaps between them; the one block
-// takes 7.9.
-constexpr int kSmallChunks = 8;        // one warp of the block places each chunk
-constexpr int kSmallBins = 8192;       // 32 KB of shared memory: chunks x experts
+// Decode and small prefill sizes: the whole align in one block of kScanThreads threads, the
+// -1 fill too. The four stream operations of the three passes spanned 14 us of the whole
+// forward's 141 at T = 64 (H200, orig config: E = 32, k = 4), most of it launch latency and the
+// gaps between them. A first one-block form (the passes' parts in turn: per-chunk histogram,
+// align_offsets, a warp a chunk placing pairs) still took 12.3 us at that shape (ncu on an H100,
+// clocks locked): its 1830 executed instructions ran mostly on one warp (the owners of E = 32
+// experts, 64-bit column walks, then the chunk's serial scatter), 47% of warp cycles waiting at
+// barriers. This one takes 6.3 us there, every phase spread over the block and short:
+//   1. warp w < runs loads its run of steps * 32 consecutive pairs into registers (one load
+//      latency for all), while the block fills sorted_token_ids with -1 and zeroes the bins;
+//   2. per step, lanes with one expert find each other (__match_any_sync) and the first adds
+//      their number to bin (w, e) with a shared atomic whose old value is how many of e the
+//      warp's earlier steps held: each pair's rank in its run, kept in a register;
+//   3. thread e owns expert e's column of bins: its total, a block scan of padded totals (the
+//      segment starts), expert_ids, and the column turned into each run's first row of e;
+//   4. each pair goes to its run's first row of e plus its rank.
+// Runs hold consecutive pairs, so each expert's rows come in pair order (stable).
+constexpr int kSmallSteps = 8;         // a warp's pairs and ranks sit in 2 x 8 registers
+constexpr int kSmallBins = 8192;       // 32 KB of shared memory: (run, expert) counts
 constexpr int64_t kSmallRows = 65536;  // the -1 fill: 64 coalesced stores a thread
-static_assert(kSmallChunks <= kScanThreads / 32, "a warp of the block per chunk");
+constexpr int kSmallWarps = kScanThreads / 32;
+static_assert(kMaxExperts <= kSmallBins, "at least one run at the most experts");
 
-bool align_in_one_block(int64_t num_chunks, int num_experts, int64_t max_padded) {
-  return num_chunks <= kSmallChunks && num_chunks * num_experts <= kSmallBins &&
-         max_padded <= kSmallRows;
+// Runs of 32 pairs or more, as many as there are warps and the bins allow.
+int small_runs(int64_t num_pairs, int num_experts) {
+  const int64_t warps_with_pairs = (num_pairs + 31) / 32;
+  const int most = std::min(kSmallWarps, kSmallBins / std::max(num_experts, 1));
+  return int(std::max<int64_t>(1, std::min<int64_t>(most, warps_with_pairs)));
+}
+
+bool align_in_one_block(int64_t num_pairs, int num_experts, int64_t max_padded) {
+  const int most = std::min(kSmallWarps, kSmallBins / std::max(num_experts, 1));
+  return num_pairs <= int64_t(most) * 32 * kSmallSteps && max_padded <= kSmallRows;
 }
 
 __global__ void __launch_bounds__(kScanThreads)
-    moe_align_small(const int32_t* __restrict__ topk_ids, int64_t num_pairs, int num_experts,
-                    int64_t num_chunks, int block_m, int pad, int64_t max_padded,
+    moe_align_small(const int32_t* __restrict__ topk_ids, int num_pairs, int num_experts, int runs,
+                    int steps, int block_m, int pad, int max_padded,
                     int32_t* __restrict__ sorted_token_ids, int32_t* __restrict__ expert_ids,
                     int32_t* __restrict__ num_tokens_post_padded) {
-  __shared__ int32_t bins[kSmallBins];
-  for (int i = threadIdx.x; i < num_chunks * num_experts; i += kScanThreads) bins[i] = 0;
-  for (int64_t row = threadIdx.x; row < max_padded; row += kScanThreads) {
-    sorted_token_ids[row] = -1;
+  using Scan = cub::BlockScan<int32_t, kScanThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int32_t bins[kSmallBins];  // bin (w, e) at w * num_experts + e
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first_pair = warp * steps * 32 + lane;
+  const bool has_run = warp < runs;
+
+  int32_t expert[kSmallSteps];
+#pragma unroll
+  for (int s = 0; s < kSmallSteps; ++s) {
+    const int pair = first_pair + s * 32;
+    expert[s] = has_run && s < steps && pair < num_pairs ? topk_ids[pair] : -1;
   }
+  for (int row = threadIdx.x; row < max_padded; row += kScanThreads) sorted_token_ids[row] = -1;
+  for (int i = threadIdx.x; i < runs * num_experts; i += kScanThreads) bins[i] = 0;
   __syncthreads();
-  for (int64_t pair = threadIdx.x; pair < num_pairs; pair += kScanThreads) {
-    const int32_t expert = topk_ids[pair];
-    if (routed(expert, num_experts)) {
-      atomicAdd(&bins[pair / kMoeAlignChunk * num_experts + expert], 1);
+
+  // From here on a pair is (expert << 8 | rank), or -1: its rank in the run is below 32 *
+  // kSmallSteps, and the 8 registers this saves keep the block's 64 clear of spills.
+  static_assert(32 * kSmallSteps <= 256, "a rank fits 8 bits");
+  if (has_run) {
+    const unsigned lanes_below = (1u << lane) - 1;
+#pragma unroll
+    for (int s = 0; s < kSmallSteps; ++s) {
+      if (s >= steps) break;
+      const int32_t e = routed(expert[s], num_experts) ? expert[s] : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      const int first = __ffs(peers) - 1;
+      int32_t before = 0;
+      if (lane == first && e >= 0) before = atomicAdd(&bins[warp * num_experts + e], __popc(peers));
+      const int32_t rank = __shfl_sync(0xffffffffu, before, first) + __popc(peers & lanes_below);
+      expert[s] = e >= 0 ? e << 8 | rank : -1;
+      __syncwarp();  // the next step's atomics (other lanes, maybe) come after this step's
     }
   }
   __syncthreads();
-  align_offsets(num_chunks, num_experts, block_m, pad, max_padded, bins, expert_ids,
-                num_tokens_post_padded);
-  __syncthreads();
-  const int warp = threadIdx.x / 32;
-  if (warp < num_chunks) {
-    align_scatter_chunk(topk_ids, num_pairs, num_experts, warp, bins + warp * num_experts,
-                        sorted_token_ids);
+
+  int32_t padded_total = 0;
+  for (int e0 = 0; e0 < num_experts; e0 += kScanThreads) {
+    const int e = e0 + threadIdx.x;
+    const bool owner = e < num_experts;
+    int32_t total = 0;
+    if (owner)
+      for (int w = 0; w < runs; ++w) total += bins[w * num_experts + e];
+    const int32_t padded = (total + pad - 1) / pad * pad;
+    int32_t start, round_total;
+    Scan(scan_storage).ExclusiveSum(padded, start, round_total);
+    start += padded_total;
+    padded_total += round_total;
+    if (owner) {
+      for (int b = start / block_m; b < (start + padded) / block_m; ++b) expert_ids[b] = e;
+      // Each run's count of e becomes its first row of e. Loads go kColumnBatch at a time:
+      // the stores may alias the next loads as far as the compiler knows.
+      int32_t row = start;
+      for (int w0 = 0; w0 < runs; w0 += kColumnBatch) {
+        int32_t count[kColumnBatch];
+#pragma unroll
+        for (int j = 0; j < kColumnBatch; ++j)
+          count[j] = w0 + j < runs ? bins[(w0 + j) * num_experts + e] : 0;
+#pragma unroll
+        for (int j = 0; j < kColumnBatch; ++j) {
+          if (w0 + j < runs) bins[(w0 + j) * num_experts + e] = row;
+          row += count[j];
+        }
+      }
+    }
+    __syncthreads();  // the scan's storage is reused; the rows are read below
+  }
+  for (int b = padded_total / block_m + threadIdx.x; b < max_padded / block_m; b += kScanThreads)
+    expert_ids[b] = -1;
+  if (threadIdx.x == 0) *num_tokens_post_padded = padded_total;
+
+  if (has_run) {
+#pragma unroll
+    for (int s = 0; s < kSmallSteps; ++s) {
+      if (s >= steps) break;
+      if (expert[s] >= 0)
+        sorted_token_ids[bins[warp * num_experts + (expert[s] >> 8)] + (expert[s] & 0xff)] =
+            first_pair + s * 32;
+    }
   }
 }
 
@@ -275,10 +357,12 @@ cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num
                              int32_t* workspace, cudaStream_t stream) {
   const int pad = block_m * bpc;
   const int64_t num_chunks = moe_align_num_chunks(num_pairs);
-  if (align_in_one_block(num_chunks, num_experts, max_padded)) {
-    moe_align_small<<<1, kScanThreads, 0, stream>>>(topk_ids, num_pairs, num_experts, num_chunks,
-                                                    block_m, pad, max_padded, sorted_token_ids,
-                                                    expert_ids, num_tokens_post_padded);
+  if (align_in_one_block(num_pairs, num_experts, max_padded)) {
+    const int runs = small_runs(num_pairs, num_experts);
+    const int steps = int((num_pairs + runs * 32 - 1) / (runs * 32));
+    moe_align_small<<<1, kScanThreads, 0, stream>>>(
+        topk_ids, int(num_pairs), num_experts, runs, steps, block_m, pad, int(max_padded),
+        sorted_token_ids, expert_ids, num_tokens_post_padded);
     return cudaGetLastError();
   }
   // -1 everywhere first: padding rows and the tail past the padded total stay -1.

@@ -303,7 +303,7 @@ cudaError_t launch_moe_backward(const MoeBackwardProblem& pr, void* workspace, v
       return err;
     const CombineParams cp{sc.rows, pr.pair_to_row, nullptr,           pr.dx,
                            D,       int(pr.top_k),  int(pr.max_padded)};
-    moe_combine_kernel<<<unsigned(pr.num_tokens), kCombineThreads, 0, stream>>>(cp);
+    moe_combine_kernel<<<combine_grid(pr.num_tokens, D, num_sms), kCombineThreads, 0, stream>>>(cp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
 

@@ -30,6 +30,16 @@ struct CombineParams {
 };
 
 constexpr int kCombineThreads = 128;
+constexpr int kCombineColumnsPerPass = kCombineThreads * 8;
+
+// A CTA per token, and with fewer tokens than SMs the columns split over CTAs too: one CTA a
+// token left SMs idle at decode sizes while each CTA walked its columns a pass at a time, one
+// round trip to y each, after the down GEMM (T = 64, D = 2048: two passes on 64 of 132 SMs).
+inline dim3 combine_grid(int64_t num_tokens, int dim, int num_sms) {
+  const int slices =
+      num_tokens < num_sms ? (dim + kCombineColumnsPerPass - 1) / kCombineColumnsPerPass : 1;
+  return dim3(unsigned(num_tokens), unsigned(slices));
+}
 
 // Pairs are taken 8 at a time so that their 16-byte loads are all in flight together
 // (a load per pair behind a data-dependent branch would serialize on DRAM latency); the
@@ -53,7 +63,8 @@ static __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
   for (int u = 0; u < kCombinePairsInFlight; ++u) first_row[u] = combine_row(p, pair0, u);
   prime_kernels::grid_dependency_wait();  // y comes from the down GEMM (a dependent launch)
-  for (int c = threadIdx.x * 8; c < p.dim; c += kCombineThreads * 8) {
+  for (int c = (blockIdx.y * kCombineThreads + threadIdx.x) * 8; c < p.dim;
+       c += gridDim.y * kCombineColumnsPerPass) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t j0 = 0; j0 < p.top_k; j0 += kCombinePairsInFlight) {  // top_k near INT_MAX
       int row[kCombinePairsInFlight];
