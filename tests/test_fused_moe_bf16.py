@@ -99,6 +99,18 @@ def test_against_reference(flash_moe, seed, split, T, D, H, E, k, kind):
 
 
 @pytest.mark.sanitize
+def test_stale_rows_in_the_workspace(flash_moe, seed):
+    """At decode sizes the inference forward leaves its pair -> row map unfilled and the combine
+    checks each row against the routing. A first call leaves its rows in the cached workspace
+    the second call gets back; with 30% of the pairs dropped there, those rows must not count."""
+    generator = torch.Generator().manual_seed(seed)
+    first = make_inputs(64, 512, 256, 16, 4, "uniform", generator)
+    second = first[:3] + make_inputs(64, 512, 256, 16, 4, "dropped", generator)[3:]
+    run_ours(flash_moe, *first, split=True)
+    check(flash_moe, second, split=True)
+
+
+@pytest.mark.sanitize
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
 @pytest.mark.parametrize(
     ("T", "D", "H", "E", "k", "kind"),

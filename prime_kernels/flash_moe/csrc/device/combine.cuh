@@ -22,11 +22,20 @@ namespace prime_moe {
 
 struct CombineParams {
   const __nv_bfloat16* y;      // (max_padded, D)
-  const int32_t* pair_to_row;  // (T * k,) row or -1
+  const int32_t* pair_to_row;  // (T * k,) a pair's row; -1 or anything when it has none
   const float* topk_weights;   // (T * k,), or null for weights of 1
   __nv_bfloat16* out;          // (T, D)
   int dim, top_k;
   int rows;  // rows of y (max_padded): a row outside [0, rows) counts as no row
+  // Null when pair_to_row was filled with -1 before the GEMMs scattered the routed pairs' rows.
+  // Otherwise the routing the GEMMs that wrote y ran on, and a pair's row counts only where it
+  // is one of that pair's rows there (sorted_token_ids names the pair back, below the padded
+  // total, in a block with a valid expert: the rows the GEMMs compute, MoeTileScheduler); a
+  // stale row from an earlier call passes only where it is the pair's row now too.
+  const int32_t* sorted_token_ids;        // (rows,)
+  const int32_t* expert_ids;              // (rows / block_m,)
+  const int32_t* num_tokens_post_padded;  // (1,)
+  int block_m, num_experts;
 };
 
 constexpr int kCombineThreads = 128;
@@ -46,10 +55,24 @@ inline dim3 combine_grid(int64_t num_tokens, int dim, int num_sms) {
 // sum still runs in order j = 0..k-1.
 constexpr int kCombinePairsInFlight = 8;
 
-// A pair's row, or -1 (no row, or one outside y).
-__device__ __forceinline__ int combine_row(const CombineParams& p, int pair0, int64_t j) {
-  const int row = j < p.top_k ? p.pair_to_row[pair0 + j] : -1;
-  return row < p.rows ? row : -1;
+// Rows below this one may be a pair's: y's, and with the routing given, the padded total's.
+__device__ __forceinline__ int combine_rows_in_use(const CombineParams& p) {
+  if (p.sorted_token_ids == nullptr) return p.rows;
+  const int npp = *p.num_tokens_post_padded;
+  return npp < 0 ? 0 : (npp < p.rows ? npp : p.rows);
+}
+
+// A pair's row, or -1 (no row this call).
+__device__ __forceinline__ int combine_row(const CombineParams& p, int rows_in_use, int pair0,
+                                           int64_t j) {
+  if (j >= p.top_k) return -1;
+  const int pair = pair0 + int(j);
+  const int row = p.pair_to_row[pair];
+  if (row < 0 || row >= rows_in_use) return -1;
+  if (p.sorted_token_ids == nullptr) return row;
+  const int expert = p.expert_ids[row / p.block_m];
+  const bool computed = expert >= 0 && expert < p.num_experts;
+  return computed && p.sorted_token_ids[row] == pair ? row : -1;
 }
 
 static __global__ void __launch_bounds__(kCombineThreads)
@@ -57,11 +80,14 @@ static __global__ void __launch_bounds__(kCombineThreads)
   const int token = blockIdx.x;
   const int pair0 = token * p.top_k;
   // The first pairs' rows are read before the wait: pair_to_row comes from a kernel the one
-  // this launch depends on waited for (the gate/up GEMM, before the down GEMM), so only y's
-  // loads wait for the down GEMM, and at decode sizes one dependent round trip less follows it.
+  // this launch depends on waited for (the gate/up GEMM, before the down GEMM), the routing
+  // from one before that, so only y's loads wait for the down GEMM, and at decode sizes the
+  // round trips of the rows' checks do not follow it.
+  const int rows_in_use = combine_rows_in_use(p);
   int first_row[kCombinePairsInFlight];
 #pragma unroll
-  for (int u = 0; u < kCombinePairsInFlight; ++u) first_row[u] = combine_row(p, pair0, u);
+  for (int u = 0; u < kCombinePairsInFlight; ++u)
+    first_row[u] = combine_row(p, rows_in_use, pair0, u);
   prime_kernels::grid_dependency_wait();  // y comes from the down GEMM (a dependent launch)
   for (int c = (blockIdx.y * kCombineThreads + threadIdx.x) * 8; c < p.dim;
        c += gridDim.y * kCombineColumnsPerPass) {
@@ -71,7 +97,7 @@ static __global__ void __launch_bounds__(kCombineThreads)
       uint4 v[kCombinePairsInFlight];
 #pragma unroll
       for (int u = 0; u < kCombinePairsInFlight; ++u) {
-        row[u] = j0 == 0 ? first_row[u] : combine_row(p, pair0, j0 + u);
+        row[u] = j0 == 0 ? first_row[u] : combine_row(p, rows_in_use, pair0, j0 + u);
         v[u] = row[u] >= 0 ? *reinterpret_cast<const uint4*>(p.y + size_t(row[u]) * p.dim + c)
                            : make_uint4(0, 0, 0, 0);
       }
