@@ -50,8 +50,9 @@ __global__ void __launch_bounds__(kHistogramThreads)
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) row[e] = counts[e];
 }
 
-// One expert's column of the (chunk, expert) counts over chunks [c0, c1): its sum, and the
-// counts turned into each chunk's first row from `row` on (returning the row after them). The
+// One expert's column of (chunk, expert) counts (or moe_align_small's (run, expert) bins) over
+// chunks [c0, c1): its sum, and the counts turned into each chunk's first row from `row` on
+// (returning the row after them). The
 // counts are read kColumnBatch at a time: the stores may alias the next loads as far as the
 // compiler knows, so a plain loop would wait for each load in turn.
 constexpr int kColumnBatch = 8;
@@ -249,16 +250,21 @@ constexpr int64_t kSmallRows = 65536;  // the -1 fill: 64 coalesced stores a thr
 constexpr int kSmallWarps = kScanThreads / 32;
 static_assert(kMaxExperts <= kSmallBins, "at least one run at the most experts");
 
-// Runs of 32 pairs or more, as many as there are warps and the bins allow.
+// As many runs as there are warps and the bins allow.
+int most_small_runs(int num_experts) {
+  return std::min(kSmallWarps, kSmallBins / std::max(num_experts, 1));
+}
+
+// Runs of 32 pairs or more.
 int small_runs(int64_t num_pairs, int num_experts) {
   const int64_t warps_with_pairs = (num_pairs + 31) / 32;
-  const int most = std::min(kSmallWarps, kSmallBins / std::max(num_experts, 1));
-  return int(std::max<int64_t>(1, std::min<int64_t>(most, warps_with_pairs)));
+  return int(
+      std::max<int64_t>(1, std::min<int64_t>(most_small_runs(num_experts), warps_with_pairs)));
 }
 
 bool align_in_one_block(int64_t num_pairs, int num_experts, int64_t max_padded) {
-  const int most = std::min(kSmallWarps, kSmallBins / std::max(num_experts, 1));
-  return num_pairs <= int64_t(most) * 32 * kSmallSteps && max_padded <= kSmallRows;
+  return num_pairs <= int64_t(most_small_runs(num_experts)) * 32 * kSmallSteps &&
+         max_padded <= kSmallRows;
 }
 
 __global__ void __launch_bounds__(kScanThreads)
@@ -307,9 +313,7 @@ __global__ void __launch_bounds__(kScanThreads)
   for (int e0 = 0; e0 < num_experts; e0 += kScanThreads) {
     const int e = e0 + threadIdx.x;
     const bool owner = e < num_experts;
-    int32_t total = 0;
-    if (owner)
-      for (int w = 0; w < runs; ++w) total += bins[w * num_experts + e];
+    const int32_t total = owner ? column_sum(bins, num_experts, e, 0, runs) : 0;
     const int32_t padded = (total + pad - 1) / pad * pad;
     int32_t start, round_total;
     Scan(scan_storage).ExclusiveSum(padded, start, round_total);
@@ -317,20 +321,7 @@ __global__ void __launch_bounds__(kScanThreads)
     padded_total += round_total;
     if (owner) {
       for (int b = start / block_m; b < (start + padded) / block_m; ++b) expert_ids[b] = e;
-      // Each run's count of e becomes its first row of e. Loads go kColumnBatch at a time:
-      // the stores may alias the next loads as far as the compiler knows.
-      int32_t row = start;
-      for (int w0 = 0; w0 < runs; w0 += kColumnBatch) {
-        int32_t count[kColumnBatch];
-#pragma unroll
-        for (int j = 0; j < kColumnBatch; ++j)
-          count[j] = w0 + j < runs ? bins[(w0 + j) * num_experts + e] : 0;
-#pragma unroll
-        for (int j = 0; j < kColumnBatch; ++j) {
-          if (w0 + j < runs) bins[(w0 + j) * num_experts + e] = row;
-          row += count[j];
-        }
-      }
+      column_rows(bins, num_experts, e, 0, runs, start);  // each run's first row of e
     }
     __syncthreads();  // the scan's storage is reused; the rows are read below
   }
