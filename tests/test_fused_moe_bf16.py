@@ -17,14 +17,14 @@ BAR = 1.5e-2
 RATIO_TO_REFERENCE = 1.5
 
 
-def make_inputs(T, D, H, E, k, kind, generator):
+def make_inputs(T, D, H, E, k, kind, generator, device="cuda"):
     x = (0.2 * torch.randn(T, D, generator=generator)).bfloat16()
     w = (0.05 * torch.randn(E, 2 * H, D, generator=generator)).bfloat16()
     w2 = (0.05 * torch.randn(E, D, H, generator=generator)).bfloat16()
     ids = make_ids(kind, T, E, k, generator)
     weights = torch.rand(T, k, generator=generator) + 0.1
     weights = weights / weights.sum(-1, keepdim=True)
-    return [t.cuda() for t in (x, w, w2, ids, weights)]
+    return [t.to(device) for t in (x, w, w2, ids, weights)]
 
 
 def run_ours(flash_moe, x, w, w2, ids, weights, *, split, block_m=None, **tuning):

@@ -30,8 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from prime_kernels.flash_moe import mxfp8, reference  # noqa: E402
-from tests.test_fused_moe_bf16 import CASES  # noqa: E402
-from tests.test_moe_align import make_ids  # noqa: E402
+from tests.test_fused_moe_bf16 import CASES, make_inputs  # noqa: E402
 
 
 def operand(values, scales):
@@ -157,12 +156,7 @@ def main(argv=None):
         T, D, H, E, k, kind = CASES[c]
         for seed in (int(s) for s in args.seeds.split(",")):
             gen = torch.Generator().manual_seed(seed)
-            x = (0.2 * torch.randn(T, D, generator=gen)).bfloat16()
-            w = (0.05 * torch.randn(E, 2 * H, D, generator=gen)).bfloat16()
-            w2 = (0.05 * torch.randn(E, D, H, generator=gen)).bfloat16()
-            ids = make_ids(kind, T, E, k, gen)
-            weights = torch.rand(T, k, generator=gen) + 0.1
-            weights = weights / weights.sum(-1, keepdim=True)
+            x, w, w2, ids, weights = make_inputs(T, D, H, E, k, kind, gen, device="cpu")
             ops = sum((mxfp8.quantize_mxfp8(t) for t in (x, w, w2)), ())
             exact = reference.moe_mxfp8_emulation(*ops, ids, weights, split=True)
             errors = [
