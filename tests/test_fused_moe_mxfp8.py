@@ -166,6 +166,9 @@ def test_consumer_sequence(flash_moe, seed):
         (9, 128, 128, 3, 1, "dropped"),
         (50, 256, 128, 8, 8, "zipf"),
         (600, 128, 128, 2, 1, "uniform"),  # 300 rows an expert: the widened weights
+        # 19 rows an expert on average (64-row tiles of 128-row blocks, two CTAs an SM), the
+        # heaviest with full blocks: their upper tiles run, the others' are skipped
+        (300, 128, 128, 32, 2, "zipf"),
     ],
 )
 def test_small_shapes_for_sanitizer(flash_moe, seed, split, T, D, H, E, k, kind):

@@ -1,7 +1,8 @@
-"""One forward call (moe_align + fused_moe_bf16, split=True) inside an NVTX range, for ncu (GPU only).
+"""One forward call (moe_align + fused_moe_bf16, split=True; with ``mxfp8`` third,
+fused_moe_mxfp8 on inputs quantized outside the range) inside an NVTX range, for ncu (GPU only).
 
     ncu --nvtx --nvtx-include "call/" --set full --import-source yes -o call \\
-        python benchmarks/probes/ncu_call.py orig 64
+        python benchmarks/probes/ncu_call.py orig 64 [mxfp8]
 
 Profiles every kernel of one call, after three warm-up calls outside the range, whatever the
 kernels are named. ncu replays each kernel alone with caches flushed and clocks locked, so durations here are the
@@ -30,10 +31,20 @@ def main():
     w, w2 = make_weights(D, H, E, gen, device)
     x, ids, wts = make_inputs(T, D, E, k, gen, device)
     out = torch.empty(T, D, device=device, dtype=torch.bfloat16)
+    mxfp8 = len(sys.argv) > 3 and sys.argv[3] == "mxfp8"
+    if mxfp8:
+        ops = (
+            *fm.quantize_mxfp8(x, blocked=False),
+            *fm.quantize_mxfp8(w, blocked=True),
+            *fm.quantize_mxfp8(w2, blocked=True),
+        )
 
     def call():
         s, e, t = fm.moe_align(ids, E)
-        fm.fused_moe_bf16(x, w, w2, s, e, t, wts, out, k)
+        if mxfp8:
+            fm.fused_moe_mxfp8(*ops, s, e, t, wts, out, k)
+        else:
+            fm.fused_moe_bf16(x, w, w2, s, e, t, wts, out, k)
 
     for _ in range(3):
         call()
@@ -42,7 +53,7 @@ def main():
     call()
     torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
-    print(f"profiled one call: {key} T={T}")
+    print(f"profiled one call: {key} T={T}" + (" mxfp8" if mxfp8 else ""))
 
 
 if __name__ == "__main__":

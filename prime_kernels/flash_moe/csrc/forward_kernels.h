@@ -165,18 +165,21 @@ struct ForwardKernels {
 // tokens (at block_n = 64 with gate and up rows interleaved in one m64 block, tile.cuh). Down:
 // block_m tokens x 2 block_n output columns, cooperative (the bf16 forward's ping-pong 128 x 192
 // would need a 192-row weight tile: 3 m64 blocks of 64 tokens, 96 accumulators; not written yet),
-// so both GEMMs' stages are about the same size.
+// so both GEMMs' stages are about the same size. The 64 x 64 tiles (32 accumulators a thread)
+// run two CTAs an SM (tile_block_m says why).
 template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kDownPingPong = false;
   static constexpr bool kGateUpPingPong = false;
   using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2>;
   using DownTile = MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>;
+  static constexpr int kCtasPerSm = kBlockM == 64 && kBlockN == 64 ? 2 : 1;
   template <class Epilogue>
   using DownGemm = MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, Mxfp8WeightTilesRS<DownTile>,
-                           MoeTileScheduler, RegisterAConsumers, 1, kDownBBeforeWait>;
+                           MoeTileScheduler, RegisterAConsumers, 1, kDownBBeforeWait, kCtasPerSm>;
   using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, typename Weights::GateUpEpilogue,
-                         Mxfp8WeightTilesRS<GateUpTile>, MoeTileScheduler, RegisterAConsumers>;
+                         Mxfp8WeightTilesRS<GateUpTile>, MoeTileScheduler, RegisterAConsumers, 1,
+                         false, kCtasPerSm>;
   using GateUpKeepZ = void;  // kKeepsZ is false
   using DownStore = DownGemm<StoreRows>;
   using DownAtomic = DownGemm<WeightedAtomicAdd>;
@@ -286,6 +289,25 @@ inline bool mxfp8_widens_weights(const FusedMoeBf16Problem& problem) {
   return pairs > routed * kMxfp8WidenRowsPerExpert;
 }
 
+// The rows of the forward's tiles: moe_align's block_m, except for register-A (MXFP8) tiles at
+// decode sizes, which take 64-row tiles of its 128-row blocks (MoeTileScheduler skips an upper
+// tile with no routed row) and run two CTAs an SM (ForwardKernels): at T = 64 the interleaved
+// gate/up tile's widening chains wait on their latency (ncu, benchmarks/RESULTS.md 2026-12-04),
+// and twice the consumer warps a scheduler hide it. Their 32 accumulators a thread are what
+// lets two CTAs' registers fit. H100, T = 64, moe_align + fused_moe_mxfp8 against one CTA an SM
+// of 128-row tiles (benchmarks/RESULTS.md 2026-12-05): DeepSeek-V3-32 and Mixtral-8x7B 1.16x,
+// Qwen3-30B-A3B 1.02x (its rounds split between 1.13x and 1.01x; with moe_align's block_m = 64,
+// no upper tiles to skip, 1.10x).
+template <class Weights>
+int tile_block_m(const FusedMoeBf16Problem& pr, int block_n) {
+  if constexpr (Weights::kRegisterA) {
+    const int64_t pairs = pr.num_tokens * pr.top_k;
+    const int64_t routed = std::min(pr.num_experts, pairs);
+    if (pr.block_m == 128 && block_n == 64 && pairs <= routed * kDecodeRowsPerExpert) return 64;
+  }
+  return int(pr.block_m);
+}
+
 // The deepest ring the device's shared memory holds for this tile (0: not instantiated).
 template <class Weights>
 int max_stages(int block_m, int block_n, int device) {
@@ -341,7 +363,8 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
   // As deep as the shared memory allows (4 stages of 48 KB at 128 x 128): the ring hides
   // DRAM latency and the gather's cp.async round trips.
   if (original || requested.stages == 0)
-    c.stages = max_stages<Weights>(block_m, c.block_n, problem.device);
+    c.stages =
+        max_stages<Weights>(tile_block_m<Weights>(problem, c.block_n), c.block_n, problem.device);
   c.cpc = 1;  // no TMA multicast: one CTA per cluster
   return c;
 }
@@ -397,7 +420,8 @@ std::string check_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config
              ", 0 for the tuned choice, or the original's (64, 4) / (32, 8) with warp_n";
     if (c.stages != 0) {
       const FusedMoeBf16Config resolved = resolve_config<Weights>(pr, c);
-      const int limit = max_stages<Weights>(int(pr.block_m), resolved.block_n, pr.device);
+      const int limit = max_stages<Weights>(tile_block_m<Weights>(pr, resolved.block_n),
+                                            resolved.block_n, pr.device);
       if (c.stages < kMinStages || c.stages > limit)
         return "stages=" + std::to_string(c.stages) + sm90 +
                " at block_m=" + std::to_string(pr.block_m) +
@@ -471,8 +495,9 @@ struct WeightOperands {
 // training keeps z and pair_to_row both or neither, on the split path.
 template <class Weights>
 bool launchable(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& c) {
-  if (!is_instantiated<Weights>(int(pr.block_m), c.block_n) || c.stages < kMinStages ||
-      c.stages > max_stages<Weights>(int(pr.block_m), c.block_n, pr.device))
+  const int tile_m = tile_block_m<Weights>(pr, c.block_n);
+  if (!is_instantiated<Weights>(tile_m, c.block_n) || c.stages < kMinStages ||
+      c.stages > max_stages<Weights>(tile_m, c.block_n, pr.device))
     return false;
   return (pr.keep_z != nullptr) == (pr.keep_pair_to_row != nullptr) &&
          (pr.keep_z == nullptr || (c.split && Weights::kKeepsZ));
@@ -517,6 +542,7 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
     g.top_k = int(pr.top_k);
     g.num_experts = E;
     g.stages = c.stages;
+    g.expert_block_rows = int(pr.block_m);
 
     // Gate/up: A gathered from x_rows (no tensor map; tmap_w is passed twice as a filler).
     CUtensorMap tmap_w, tmap_h, tmap_w2;
@@ -543,7 +569,8 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
     down.b_second_offset = 0;
     down.b_scales = weights.w2_scales;
 
-    const bool found = with_forward_kernels<Weights>(int(pr.block_m), c.block_n, [&](auto kernels) {
+    const int tile_m = tile_block_m<Weights>(pr, c.block_n);
+    const bool found = with_forward_kernels<Weights>(tile_m, c.block_n, [&](auto kernels) {
       using K = decltype(kernels);
       err = Weights::weight_map(&tmap_w, weights.w, uint64_t(E) * 2 * H, D, K::GateUpTile::kBlockN);
       if (err != cudaSuccess) return;
@@ -591,11 +618,14 @@ std::string describe_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Con
   const std::string bm = std::to_string(pr.block_m);
   const std::string bn = std::to_string(c.block_n);
   std::string down = "?", gate_up = "?";
-  with_forward_kernels<Weights>(int(pr.block_m), c.block_n, [&](auto kernels) {
+  with_forward_kernels<Weights>(tile_block_m<Weights>(pr, c.block_n), c.block_n, [&](auto kernels) {
     using K = decltype(kernels);
     const std::string n = std::to_string(K::GateUpTile::kBlockN);
-    gate_up = bm + "x(" + n + "+" + n + ")" + (K::kGateUpPingPong ? " ping-pong" : " cooperative");
-    down = bm + "x" + std::to_string(K::DownTile::kBlockN) +
+    const std::string tm = std::to_string(K::GateUpTile::kBlockM);
+    const std::string ctas = K::GateUp::kCtasPerSm > 1 ? ", 2 CTAs an SM" : "";
+    gate_up =
+        tm + "x(" + n + "+" + n + ")" + (K::kGateUpPingPong ? " ping-pong" : " cooperative") + ctas;
+    down = tm + "x" + std::to_string(K::DownTile::kBlockN) +
            (K::kDownPingPong ? " ping-pong" : " cooperative") + ", " +
            std::to_string(K::down_stages(c.stages, pr.device, kMaxStages)) + " stages";
   });

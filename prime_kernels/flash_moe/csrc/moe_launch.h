@@ -34,7 +34,13 @@ inline int usable_sms(int device) {
 // The deepest ring (at most max_stages) the device's shared memory holds for Kernel.
 template <class Kernel>
 int ring_stages(int device, int max_stages) {
-  const size_t limit = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  size_t limit = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  // Kernel::kCtasPerSm CTAs share the SM's shared memory, each with its reserved share.
+  if (Kernel::kCtasPerSm > 1)
+    limit = std::min(limit,
+                     size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device)) /
+                             Kernel::kCtasPerSm -
+                         size_t(device_attribute(cudaDevAttrReservedSharedMemoryPerBlock, device)));
   int stages = 0;
   while (stages < max_stages && Kernel::smem_bytes(stages + 1) <= limit) ++stages;
   return stages;
@@ -95,7 +101,8 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
   const int64_t max_tiles =
       Kernel::Scheduler::max_tiles(params, Tile::kBlockM, Tile::kBlockN, kClusterM);
   if constexpr (kClusterM == 1) {
-    const int grid = int(std::max<int64_t>(1, std::min<int64_t>(num_sms, max_tiles)));
+    const int grid = int(
+        std::max<int64_t>(1, std::min<int64_t>(int64_t(num_sms) * Kernel::kCtasPerSm, max_tiles)));
     return prime_kernels::launch_kernel(kernel, dim3(grid), dim3(Kernel::kThreads), smem, stream,
                                         dependent, tmap_a, tmap_b, params);
   } else {

@@ -195,10 +195,10 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
     for (int mh = 0; mh < kMmaM; ++mh) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int row = Consumers::stage_row(mh, i, warp, g, row_offset);
-        const int tile = row / Tile::kBlockN;
-        value_at[mh][i] = row * Tile::kBlockK + 2 * q;
-        const int r = scale_row0 + row % Tile::kBlockN;  // from the tile's first scale block
+        const int tile = Consumers::stage_tile(mh, i);
+        const int row = Consumers::tile_row(mh, i, warp, g, row_offset);
+        value_at[mh][i] = (tile * Tile::kBlockN + row) * Tile::kBlockK + 2 * q;
+        const int r = scale_row0 + row;  // from the tile's first scale block
         scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
                           (r % 32) * 16 + (r % 128) / 32 * 4;
       }

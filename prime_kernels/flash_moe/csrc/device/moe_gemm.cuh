@@ -69,7 +69,7 @@ constexpr bool splits_b(int cluster_m) {
 template <class Tile_, class ALoad_, class Epilogue_, class BLoad_ = TmaWeightTiles<Tile_>,
           class Scheduler_ = MoeTileScheduler,
           template <class, class, class> class Consumers_ = CooperativeConsumers,
-          int kClusterM_ = 1, bool kBBeforeWait_ = false>
+          int kClusterM_ = 1, bool kBBeforeWait_ = false, int kCtasPerSm_ = 1>
 struct MoeGemm {
   using Tile = Tile_;
   using ALoad = ALoad_;
@@ -79,6 +79,7 @@ struct MoeGemm {
   using Consumers = Consumers_<Tile, typename ALoad::Layout, typename BLoad::Layout>;
   static constexpr int kClusterM = kClusterM_;
   static constexpr bool kBBeforeWait = kBBeforeWait_;
+  static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr bool kFenceGenericWrites =
       ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites;
   // Register-A consumers (MXFP8 weights widened in registers) run their own K loop over the
@@ -91,17 +92,22 @@ struct MoeGemm {
   static constexpr int kThreads = 128 * (1 + Consumers::kWarpgroups);
   static constexpr int kProducerThreads =
       ALoad::kThreads > BLoad::kThreads ? ALoad::kThreads : BLoad::kThreads;
-  // Register split (sm_90a setmaxnreg, multiples of 8). The CTA launches with 168 registers
-  // a thread (__launch_bounds__(384, 1)) and can only move those 384 x 168 between its
-  // warpgroups: 128 * (producer + 2 * consumer) <= 64512, or setmaxnreg.inc waits forever.
-  // The loaders say what the producer needs (24 for one TMA thread, 40 for the gather; 40 in a
-  // cluster, whose producer also works out its share of the boxes and the multicast masks), the
-  // consumers get the rest: 224 to 240 registers, room for their 128 to 192 fp32 accumulators
-  // and the epilogue.
+  // Register split (sm_90a setmaxnreg, multiples of 8). The CTA launches with kLaunchRegs a
+  // thread (__launch_bounds__(384, kCtasPerSm): 168 for one CTA an SM, 80 for two) and can only
+  // move those 384 x kLaunchRegs between its warpgroups: 128 * (producer + 2 * consumer) <= 384 *
+  // kLaunchRegs, or setmaxnreg.inc waits forever. The loaders say what the producer needs (24 for
+  // one TMA thread, 40 for the gather; 40 in a cluster, whose producer also works out its share
+  // of the boxes and the multicast masks), the consumers get the rest: 224 to 240 registers,
+  // room for their 128 to 192 fp32 accumulators and the epilogue. Two CTAs an SM (register-A
+  // tiles of 64 tokens, 32 accumulators) give the gather 32, which it fits (ptxas reports no
+  // spills), so that the consumers get 104 rather than 96.
+  static constexpr int kLaunchRegs = 65536 / (kThreads * kCtasPerSm) / 8 * 8;
   static constexpr int kLoaderRegs =
       ALoad::kProducerRegs > BLoad::kProducerRegs ? ALoad::kProducerRegs : BLoad::kProducerRegs;
-  static constexpr int kProducerRegs = kClusterM > 1 && kLoaderRegs < 40 ? 40 : kLoaderRegs;
-  static constexpr int kConsumerRegs = ((kThreads / 128 * 168 - kProducerRegs) / 2) / 8 * 8;
+  static constexpr int kProducerRegs = kCtasPerSm > 1 ? (kLoaderRegs < 32 ? kLoaderRegs : 32)
+                                       : kClusterM > 1 && kLoaderRegs < 40 ? 40
+                                                                           : kLoaderRegs;
+  static constexpr int kConsumerRegs = ((kThreads / 128 * kLaunchRegs - kProducerRegs) / 2) / 8 * 8;
   static constexpr uint32_t kFullArrivals = 1 + ALoad::kFullArrivals + BLoad::kFullArrivals;
   // Every consumer thread arrives; in a cluster one lane per consumer warp of each CTA
   // (StageRing::consumer_release_cluster).
@@ -110,12 +116,18 @@ struct MoeGemm {
                                                  : 4 * Consumers::kWarpgroupsPerStage * kClusterM;
 
   static_assert(Epilogue::kNumB == Tile::kNumB, "the epilogue reads the stage's weight tiles");
-  static_assert(kConsumerRegs >= 224, "the consumers keep their accumulators in registers");
+  static_assert(kCtasPerSm == 1 || kCtasPerSm == 2, "one or two CTAs an SM");
+  static_assert(kCtasPerSm == 2 || kConsumerRegs >= 224,
+                "the consumers keep their accumulators in registers");
+  static_assert(kCtasPerSm == 1 || (Consumers::kRegisterA && Consumers::kMmaM == 1 &&
+                                    Consumers::Mma::kAccRegs <= 32 && kClusterM == 1),
+                "two CTAs an SM leave a consumer 104 registers: 32 register-A accumulators");
   static_assert(Consumers::kMmaM * Consumers::kNumMma * Consumers::Mma::kAccRegs <= 128 ||
                     kConsumerRegs >= 232,
                 "past 128 accumulators a thread the consumers need 232 registers or more (a "
                 "producer of 40 at most; ptxas's report says whether the epilogue fits)");
-  static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * 168, "setmaxnreg moves, never adds");
+  static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * kLaunchRegs,
+                "setmaxnreg moves, never adds");
   static_assert(kProducerThreads >= 1 && kProducerThreads <= 128,
                 "the loaders run in the producer warpgroup, thread 0 included");
   static_assert(ALoad::kTmaBytes <= Tile::kABytes && BLoad::kTmaBytes <= Tile::kBBytes,
@@ -196,7 +208,7 @@ __device__ __forceinline__ void load_b(BLoad& b_load, const MoeGemmParams& p,
 }
 
 template <class Kernel>
-__global__ void __launch_bounds__(Kernel::kThreads, 1)
+__global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                     const __grid_constant__ CUtensorMap tmap_b, const MoeGemmParams p) {
   using namespace prime_kernels;

@@ -28,6 +28,9 @@ struct MoeGemmParams {
   int b_rows_per_expert;  // rows of one expert in the 2D weight view: 2H or D
   int b_second_offset;    // row offset of the second weight tile (the up rows: H)
   int stages;             // ring depth, sized by the launcher to the shared memory
+  // Rows per expert_ids entry (moe_align's block_m) where the tiles are shorter (64-row tiles
+  // of 128-row blocks: MoeTileScheduler); 0: the tile's block_m.
+  int expert_block_rows;
   // MXFP8 weights (Mxfp8WeightTilesRS): each expert's e8m0 scales of its (b_rows_per_expert,
   // k_dim / 32) in the blocked layout of pack_scales_blocked.
   const uint8_t* b_scales;

@@ -106,7 +106,9 @@ struct SwiGluToMxfp8 {
   // The block's amax is taken on biased exponents (the largest |h| has the largest exponent
   // field; 0xFF is NaN/Inf, as `bad`), 4 tokens a word: __vmaxu4 over two shuffles, then through
   // 128 bytes of shared memory per warp (scratch) and a named barrier of the warpgroup
-  // (barrier_id).
+  // (barrier_id). Tokens are independent, so this runs per 4 token steps (32 tokens), with h
+  // in registers for those only: with all of a 64-token tile's h live across the barrier, the
+  // two-CTA tile's 104 consumer registers spilled (ptxas).
   template <int kMmas, int kRegs>
   __device__ __forceinline__ static void store_transposed(const MoeGemmParams& p, int /*npp*/,
                                                           const float (&acc)[kMmas][kRegs],
@@ -117,10 +119,11 @@ struct SwiGluToMxfp8 {
     using namespace prime_kernels;
     static_assert(kMmas == 1 || kMmas == 2, "interleaved gate/up rows, or a gate and an up block");
     constexpr bool kInterleaved = kMmas == 1;
-    constexpr int kHalves = kInterleaved ? 1 : 2;  // row halves of h a thread holds
-    constexpr int kSteps = kRegs / 4;              // token steps j (8 tokens each)
-    constexpr int kWords = (kSteps + 3) / 4;       // exponent bytes of 4 steps a word
-    static_assert(4 * 8 * kWords * 4 <= 512, "the warpgroup's 512 scratch bytes");
+    constexpr int kHalves = kInterleaved ? 1 : 2;    // row halves of h a thread holds
+    constexpr int kSteps = kRegs / 4;                // token steps j (8 tokens each)
+    constexpr int kGroup = kSteps < 4 ? kSteps : 4;  // steps per exchange: a word of exponents
+    static_assert(kSteps % kGroup == 0, "whole groups of token steps");
+    static_assert(4 * 8 * 4 <= 512, "the warpgroup's 512 scratch bytes");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     // h is NaN where its gate or up weight row held an e4m3 NaN byte (nan_rows: interleaved,
     // gate in row r0 and up in r1; else gate in block 0 and up in block 1, row i). Worked out
@@ -128,59 +131,59 @@ struct SwiGluToMxfp8 {
     bool nan_h[kHalves];
 #pragma unroll
     for (int i = 0; i < kHalves; ++i) nan_h[i] = (nan_rows & (kInterleaved ? 3u : 5u << i)) != 0;
-    float2 h[kSteps][kHalves];
-    uint32_t e[kWords] = {};
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      // Tokens the mainloop did not multiply (n_tokens is the warpgroup's: the shuffles below
-      // stay whole-warp): no SwiGLU, and their exponent bytes stay 0. At decode sizes that is
-      // 7 of 8 steps of a 128-row block (n_tokens = 16).
-      if (8 * j >= n_tokens) break;
-      uint32_t ej = 0;
-#pragma unroll
-      for (int i = 0; i < kHalves; ++i) {
-        // SwiGLU in the accumulators' layout, then one exchange for h (not one for g and u).
-        float hc[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float g = kInterleaved ? acc[0][4 * j + c] : acc[0][4 * j + 2 * i + c];
-          const float u = kInterleaved ? acc[0][4 * j + 2 + c] : acc[kMmas - 1][4 * j + 2 * i + c];
-          hc[c] = nan_h[i] ? __int_as_float(0x7FC00000) : swiglu(g, u);
-        }
-        h[j][i] = transposed_pair(hc[0], hc[1]);
-        ej = max(ej, max(biased_exponent(h[j][i].x), biased_exponent(h[j][i].y)));
-      }
-      e[j / 4] |= ej << (8 * (j % 4));
-    }
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) {
-      e[k] = __vmaxu4(e[k], __shfl_xor_sync(0xFFFFFFFFu, e[k], 8));
-      e[k] = __vmaxu4(e[k], __shfl_xor_sync(0xFFFFFFFFu, e[k], 16));
-    }
     uint32_t* words = reinterpret_cast<uint32_t*>(scratch);
-    if ((lane & 24) == 0) {
 #pragma unroll
-      for (int k = 0; k < kWords; ++k) words[(warp * 8 + lane) * kWords + k] = e[k];
-    }
-    named_barrier_sync(barrier_id, 128);
+    for (int j0 = 0; j0 < kSteps; j0 += kGroup) {
+      // Tokens the mainloop did not multiply (n_tokens is the warpgroup's: the shuffles and
+      // barriers below stay whole-warpgroup): no SwiGLU, no store. At decode sizes that is 7 of
+      // 8 steps of a 128-row block (n_tokens = 16).
+      if (8 * j0 >= n_tokens) break;
+      float2 h[kGroup][kHalves];
+      uint32_t e = 0;
 #pragma unroll
-    for (int other = 0; other < 4; ++other) {
-      if (!kInterleaved && other >> 1 != warp >> 1) continue;  // split: the warp pair only
+      for (int s = 0; s < kGroup; ++s) {
+        const int j = j0 + s;
+        if (8 * j >= n_tokens) break;  // its exponent byte stays 0
+        uint32_t ej = 0;
 #pragma unroll
-      for (int k = 0; k < kWords; ++k)
-        e[k] = __vmaxu4(e[k], words[(other * 8 + (lane & 7)) * kWords + k]);
-    }
-    named_barrier_sync(barrier_id, 128);  // read: the next tile may write the scratch
+        for (int i = 0; i < kHalves; ++i) {
+          // SwiGLU in the accumulators' layout, then one exchange for h (not one for g and u).
+          float hc[2];
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      if (8 * j >= n_tokens) break;  // tokens the mainloop did not multiply: not stored
-      const BlockScale block((e[j / 4] >> (8 * (j % 4))) & 0xFF);
-      __nv_bfloat16* dst = p.out + size_t(row0 + transposed_token(j)) * p.ld_out;
+          for (int c = 0; c < 2; ++c) {
+            const float g = kInterleaved ? acc[0][4 * j + c] : acc[0][4 * j + 2 * i + c];
+            const float u =
+                kInterleaved ? acc[0][4 * j + 2 + c] : acc[kMmas - 1][4 * j + 2 * i + c];
+            hc[c] = nan_h[i] ? __int_as_float(0x7FC00000) : swiglu(g, u);
+          }
+          h[s][i] = transposed_pair(hc[0], hc[1]);
+          ej = max(ej, max(biased_exponent(h[s][i].x), biased_exponent(h[s][i].y)));
+        }
+        e |= ej << (8 * s);
+      }
+      e = __vmaxu4(e, __shfl_xor_sync(0xFFFFFFFFu, e, 8));
+      e = __vmaxu4(e, __shfl_xor_sync(0xFFFFFFFFu, e, 16));
+      if ((lane & 24) == 0) words[warp * 8 + lane] = e;
+      named_barrier_sync(barrier_id, 128);
 #pragma unroll
-      for (int i = 0; i < kHalves; ++i) {
-        const int col = col0 + (kInterleaved ? 8 * warp + ((lane / 4) & ~1) : transposed_column(i));
-        if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
-        *reinterpret_cast<uint32_t*>(dst + col) = block.pair(h[j][i].x, h[j][i].y);
+      for (int other = 0; other < 4; ++other) {
+        if (!kInterleaved && other >> 1 != warp >> 1) continue;  // split: the warp pair only
+        e = __vmaxu4(e, words[other * 8 + (lane & 7)]);
+      }
+      named_barrier_sync(barrier_id, 128);  // read: the next group or tile may write the scratch
+#pragma unroll
+      for (int s = 0; s < kGroup; ++s) {
+        const int j = j0 + s;
+        if (8 * j >= n_tokens) break;  // tokens the mainloop did not multiply: not stored
+        const BlockScale block((e >> (8 * s)) & 0xFF);
+        __nv_bfloat16* dst = p.out + size_t(row0 + transposed_token(j)) * p.ld_out;
+#pragma unroll
+        for (int i = 0; i < kHalves; ++i) {
+          const int col =
+              col0 + (kInterleaved ? 8 * warp + ((lane / 4) & ~1) : transposed_column(i));
+          if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
+          *reinterpret_cast<uint32_t*>(dst + col) = block.pair(h[s][i].x, h[s][i].y);
+        }
       }
     }
   }

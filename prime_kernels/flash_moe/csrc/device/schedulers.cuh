@@ -48,6 +48,7 @@ struct MoeTileScheduler {
   int block_m, block_n;
   int cluster_m;        // tiles per pair: 1, or 2 for 2-CTA clusters
   int num_block_pairs;  // ceil(num_blocks / cluster_m)
+  int tile_shift;       // log2 of the tiles per expert block: 0, or 1 for 64-row tiles of 128
 
   // The most tiles any routing can give (sizes the persistent grid on the host).
   static int64_t max_tiles(const MoeGemmParams& p, int block_m, int block_n, int cluster_m) {
@@ -60,12 +61,16 @@ struct MoeTileScheduler {
     num_blocks = (npp + block_m - 1) / block_m;
     num_n_tiles = (p.n_dim + block_n - 1) / block_n;
     num_block_pairs = (num_blocks + cluster_m - 1) / cluster_m;
+    tile_shift = p.expert_block_rows > block_m ? 1 : 0;
   }
 
   __device__ int num_tiles() const { return num_block_pairs * cluster_m * num_n_tiles; }
 
   // False for a block whose expert id is outside [0, E) and for a pair's block past the
-  // last: no work (single CTAs skip it; in a cluster its stages pass through empty).
+  // last: no work (single CTAs skip it; in a cluster its stages pass through empty). With
+  // 64-row tiles of 128-row blocks, also for a block's upper tile whose first row is not
+  // routed: moe_align puts a block's routed rows first, so the tile has none (at decode sizes
+  // most upper tiles), and neither its producer nor its consumers touch it.
   __device__ bool work(int t, const MoeGemmParams& p, MoeWorkTile& w) const {
     const int pair = t / cluster_m;
     const int group_tiles = num_block_pairs * kGroup;
@@ -74,8 +79,10 @@ struct MoeTileScheduler {
     const int width = min(kGroup, num_n_tiles - first_n);  // the last group may be narrower
     const int within = pair - group * group_tiles;
     const int block = within / width * cluster_m + t % cluster_m;
-    w.expert = block < num_blocks ? block_expert(p, block) : -1;
+    w.expert = block < num_blocks ? block_expert(p, block >> tile_shift) : -1;
     w.row0 = block * block_m;
+    if ((block & tile_shift) != 0 && w.expert >= 0 && routed_pair(p, npp, w.row0) < 0)
+      w.expert = -1;
     w.n0 = (first_n + within % width) * block_n;
     w.k_row0 = 0;
     w.num_k_blocks = p.k_dim / 64;

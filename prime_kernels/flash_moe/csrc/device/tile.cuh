@@ -188,9 +188,17 @@ struct RegisterAConsumers {
   // (the 64-byte swizzle's chunk XOR, (row / 2) % 4, is the thread's own for all of them).
   __host__ __device__ static constexpr int stage_row(int mh, int i, int warp, int g,
                                                      int row_offset) {
-    return kInterleaved ? i * Tile::kBlockN + row_offset + 8 * warp + g
-                        : (mh / kMmaPerTile) * Tile::kBlockN + (mh % kMmaPerTile) * 64 +
-                              row_offset + 16 * warp + 8 * i + g;
+    return stage_tile(mh, i) * Tile::kBlockN + tile_row(mh, i, warp, g, row_offset);
+  }
+  // Its weight tile (a constant) and its row inside that tile (below kBlockN): kept apart, so
+  // that no division recovers them (at two CTAs an SM the consumers' registers are scarce).
+  __host__ __device__ static constexpr int stage_tile(int mh, int i) {
+    return kInterleaved ? i : mh / kMmaPerTile;
+  }
+  __host__ __device__ static constexpr int tile_row(int mh, int i, int warp, int g,
+                                                    int row_offset) {
+    return kInterleaved ? row_offset + 8 * warp + g
+                        : (mh % kMmaPerTile) * 64 + row_offset + 16 * warp + 8 * i + g;
   }
 };
 
