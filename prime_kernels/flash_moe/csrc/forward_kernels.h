@@ -296,8 +296,7 @@ inline bool mxfp8_widens_weights(const FusedMoeBf16Problem& problem) {
 // and twice the consumer warps a scheduler hide it. Their 32 accumulators a thread are what
 // lets two CTAs' registers fit. H100, T = 64, moe_align + fused_moe_mxfp8 against one CTA an SM
 // of 128-row tiles (benchmarks/RESULTS.md 2026-12-05): DeepSeek-V3-32 and Mixtral-8x7B 1.16x,
-// Qwen3-30B-A3B 1.02x (its rounds split between 1.13x and 1.01x; with moe_align's block_m = 64,
-// no upper tiles to skip, 1.10x).
+// Qwen3-30B-A3B 1.18x, with the upper tiles scheduled last (1.02x with them interleaved).
 template <class Weights>
 int tile_block_m(const FusedMoeBf16Problem& pr, int block_n) {
   if constexpr (Weights::kRegisterA) {

@@ -47,8 +47,9 @@ struct MoeTileScheduler {
   int num_n_tiles;  // ceil(n_dim / block_n)
   int block_m, block_n;
   int cluster_m;        // tiles per pair: 1, or 2 for 2-CTA clusters
-  int num_block_pairs;  // ceil(num_blocks / cluster_m)
+  int num_block_pairs;  // ceil(num_blocks / cluster_m); of whole expert blocks (tile_shift)
   int tile_shift;       // log2 of the tiles per expert block: 0, or 1 for 64-row tiles of 128
+  int lower_tiles;      // tile_shift 1: the tiles of every block's lower 64 rows, first
 
   // The most tiles any routing can give (sizes the persistent grid on the host).
   static int64_t max_tiles(const MoeGemmParams& p, int block_m, int block_n, int cluster_m) {
@@ -60,29 +61,33 @@ struct MoeTileScheduler {
       : npp(clamp_npp(p)), block_m(block_m_), block_n(block_n_), cluster_m(cluster_m_) {
     num_blocks = (npp + block_m - 1) / block_m;
     num_n_tiles = (p.n_dim + block_n - 1) / block_n;
-    num_block_pairs = (num_blocks + cluster_m - 1) / cluster_m;
     tile_shift = p.expert_block_rows > block_m ? 1 : 0;
+    num_block_pairs = (((num_blocks + tile_shift) >> tile_shift) + cluster_m - 1) / cluster_m;
+    lower_tiles = num_block_pairs * cluster_m * num_n_tiles;
   }
 
-  __device__ int num_tiles() const { return num_block_pairs * cluster_m * num_n_tiles; }
+  __device__ int num_tiles() const { return lower_tiles << tile_shift; }
 
   // False for a block whose expert id is outside [0, E) and for a pair's block past the
   // last: no work (single CTAs skip it; in a cluster its stages pass through empty). With
   // 64-row tiles of 128-row blocks, also for a block's upper tile whose first row is not
   // routed: moe_align puts a block's routed rows first, so the tile has none (at decode sizes
-  // most upper tiles), and neither its producer nor its consumers touch it.
+  // most upper tiles), and neither its producer nor its consumers touch it. Every lower tile
+  // comes before any upper one: the CTAs stream weights first and pass over the empty upper
+  // tiles last, rather than every other run of tiles.
   __device__ bool work(int t, const MoeGemmParams& p, MoeWorkTile& w) const {
+    const int upper = t >= lower_tiles ? 1 : 0;  // always 0 at tile_shift 0 (num_tiles)
+    t -= upper * lower_tiles;
     const int pair = t / cluster_m;
     const int group_tiles = num_block_pairs * kGroup;
     const int group = pair / group_tiles;
     const int first_n = group * kGroup;
     const int width = min(kGroup, num_n_tiles - first_n);  // the last group may be narrower
     const int within = pair - group * group_tiles;
-    const int block = within / width * cluster_m + t % cluster_m;
+    const int block = ((within / width * cluster_m + t % cluster_m) << tile_shift) + upper;
     w.expert = block < num_blocks ? block_expert(p, block >> tile_shift) : -1;
     w.row0 = block * block_m;
-    if ((block & tile_shift) != 0 && w.expert >= 0 && routed_pair(p, npp, w.row0) < 0)
-      w.expert = -1;
+    if (upper != 0 && w.expert >= 0 && routed_pair(p, npp, w.row0) < 0) w.expert = -1;
     w.n0 = (first_n + within % width) * block_n;
     w.k_row0 = 0;
     w.num_k_blocks = p.k_dim / 64;
