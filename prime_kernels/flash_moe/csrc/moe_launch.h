@@ -95,7 +95,7 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
-  // Persistent: one CTA per SM (or fewer when even the largest routing has fewer tiles); in
+  // Persistent: kCtasPerSm CTAs per SM (or fewer when even the largest routing has fewer tiles); in
   // clusters, as many whole clusters as fit the SMs at once, at least one (set_num_sms(1) gets
   // one cluster of two CTAs).
   const int64_t max_tiles =

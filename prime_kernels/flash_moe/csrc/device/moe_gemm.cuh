@@ -1,4 +1,5 @@
-// The fused MoE's grouped GEMM on sm_90a: persistent, warp-specialized, one CTA per SM,
+// The fused MoE's grouped GEMM on sm_90a: persistent, warp-specialized, one CTA per SM (two
+// for the 64-token register-A tiles: kCtasPerSm),
 // composed of this folder's parts. Kernel = Tile x A loader x epilogue x B loader x
 // scheduler x consumer schedule (the MMA mainloop follows from the tile, the schedule and
 // the loaders' layouts):
