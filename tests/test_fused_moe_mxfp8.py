@@ -254,6 +254,18 @@ def test_every_wgmma_n_of_a_block(flash_moe, seed, split, block_m):
     check(flash_moe, (x, w, w2, ids, weights), split=split, block_m=block_m)
 
 
+def test_num_sms_cap(flash_moe, seed):
+    """Under a set_num_sms cap the decode tiles, two CTAs an SM uncapped, run one per SM."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(200, 256, 128, 32, 4, "zipf", generator)  # 25 rows an expert
+    try:
+        flash_moe.set_num_sms(5)
+        for split in (True, False):
+            check(flash_moe, inputs, split=split)
+    finally:
+        flash_moe.set_num_sms(0)
+
+
 def test_split_is_bitwise_deterministic(flash_moe, seed):
     generator = torch.Generator().manual_seed(seed)
     x, w, w2, ids, weights = make_inputs(4096, 1024, 512, 32, 8, "zipf", generator)

@@ -97,12 +97,19 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
   if (err != cudaSuccess) return err;
   // Persistent: kCtasPerSm CTAs per SM (or fewer when even the largest routing has fewer tiles); in
   // clusters, as many whole clusters as fit the SMs at once, at least one (set_num_sms(1) gets
-  // one cluster of two CTAs).
+  // one cluster of two CTAs). Under a set_num_sms cap below the device's SMs, one CTA per SM:
+  // the hardware may place each CTA on an SM of its own, and two per capped SM could pass the cap.
   const int64_t max_tiles =
       Kernel::Scheduler::max_tiles(params, Tile::kBlockM, Tile::kBlockN, kClusterM);
   if constexpr (kClusterM == 1) {
-    const int grid = int(
-        std::max<int64_t>(1, std::min<int64_t>(int64_t(num_sms) * Kernel::kCtasPerSm, max_tiles)));
+    int ctas_per_sm = Kernel::kCtasPerSm;
+    if (ctas_per_sm > 1 && num_sms_setting() > 0) {
+      int device = 0;
+      if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
+      if (num_sms < device_attribute(cudaDevAttrMultiProcessorCount, device)) ctas_per_sm = 1;
+    }
+    const int grid =
+        int(std::max<int64_t>(1, std::min<int64_t>(int64_t(num_sms) * ctas_per_sm, max_tiles)));
     return prime_kernels::launch_kernel(kernel, dim3(grid), dim3(Kernel::kThreads), smem, stream,
                                         dependent, tmap_a, tmap_b, params);
   } else {
