@@ -419,12 +419,17 @@ std::string check_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config
              ", 0 for the tuned choice, or the original's (64, 4) / (32, 8) with warp_n";
     if (c.stages != 0) {
       const FusedMoeBf16Config resolved = resolve_config<Weights>(pr, c);
-      const int limit = max_stages<Weights>(tile_block_m<Weights>(pr, resolved.block_n),
-                                            resolved.block_n, pr.device);
+      const int tile_m = tile_block_m<Weights>(pr, resolved.block_n);
+      const int limit = max_stages<Weights>(tile_m, resolved.block_n, pr.device);
+      const std::string tiles = tile_m == pr.block_m
+                                    ? ""
+                                    : " (at this size " + std::to_string(tile_m) +
+                                          "-row tiles, two CTAs an SM, each with half the SM's "
+                                          "shared memory)";
       if (c.stages < kMinStages || c.stages > limit)
         return "stages=" + std::to_string(c.stages) + sm90 +
                " at block_m=" + std::to_string(pr.block_m) +
-               ", block_n=" + std::to_string(resolved.block_n) + "; use " +
+               ", block_n=" + std::to_string(resolved.block_n) + tiles + "; use " +
                std::to_string(kMinStages) + ".." + std::to_string(limit) +
                " (shared memory) or 0 for the tuned choice";
     }

@@ -35,12 +35,16 @@ inline int usable_sms(int device) {
 template <class Kernel>
 int ring_stages(int device, int max_stages) {
   size_t limit = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  // Kernel::kCtasPerSm CTAs share the SM's shared memory, each with its reserved share.
-  if (Kernel::kCtasPerSm > 1)
-    limit = std::min(limit,
-                     size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device)) /
-                             Kernel::kCtasPerSm -
-                         size_t(device_attribute(cudaDevAttrReservedSharedMemoryPerBlock, device)));
+  // Kernel::kCtasPerSm CTAs share the SM's shared memory, each with its reserved share (an
+  // attribute that cannot be read gives 0 stages: the config checks refuse the shape).
+  if (Kernel::kCtasPerSm > 1) {
+    const size_t per_sm =
+        size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    const size_t reserved =
+        size_t(device_attribute(cudaDevAttrReservedSharedMemoryPerBlock, device));
+    const size_t share = per_sm / Kernel::kCtasPerSm;
+    limit = std::min(limit, share > reserved ? share - reserved : 0);
+  }
   int stages = 0;
   while (stages < max_stages && Kernel::smem_bytes(stages + 1) <= limit) ++stages;
   return stages;
@@ -95,6 +99,13 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
+  if constexpr (Kernel::kCtasPerSm > 1) {
+    // Two CTAs' shared memory on one SM needs the largest carveout; the default lets the
+    // driver pick one that may fit only one.
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    if (err != cudaSuccess) return err;
+  }
   // Persistent: kCtasPerSm CTAs per SM (or fewer when even the largest routing has fewer tiles); in
   // clusters, as many whole clusters as fit the SMs at once, at least one (set_num_sms(1) gets
   // one cluster of two CTAs). Under a set_num_sms cap below the device's SMs, one CTA per SM:

@@ -31,7 +31,10 @@ struct CombineParams {
   // Otherwise the routing the GEMMs that wrote y ran on, and a pair's row counts only where it
   // is one of that pair's rows there (sorted_token_ids names the pair back, below the padded
   // total, in a block with a valid expert: the rows the GEMMs compute, MoeTileScheduler); a
-  // stale row from an earlier call passes only where it is the pair's row now too.
+  // stale row from an earlier call passes only where it is the pair's row now too. With 64-row
+  // tiles of 128-row blocks the GEMMs skip an upper half whose first row has no pair, which in
+  // moe_align's layout (routed rows first) has none: with another layout such a half's rows
+  // pass here and read y rows this call did not write (in bounds, not the pair's sum).
   const int32_t* sorted_token_ids;        // (rows,)
   const int32_t* expert_ids;              // (rows / block_m,)
   const int32_t* num_tokens_post_padded;  // (1,)

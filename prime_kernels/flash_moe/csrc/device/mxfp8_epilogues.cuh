@@ -123,7 +123,6 @@ struct SwiGluToMxfp8 {
     constexpr int kSteps = kRegs / 4;                // token steps j (8 tokens each)
     constexpr int kGroup = kSteps < 4 ? kSteps : 4;  // steps per exchange: a word of exponents
     static_assert(kSteps % kGroup == 0, "whole groups of token steps");
-    static_assert(4 * 8 * 4 <= 512, "the warpgroup's 512 scratch bytes");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     // h is NaN where its gate or up weight row held an e4m3 NaN byte (nan_rows: interleaved,
     // gate in row r0 and up in r1; else gate in block 0 and up in block 1, row i). Worked out
