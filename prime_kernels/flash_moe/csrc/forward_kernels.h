@@ -255,6 +255,13 @@ inline constexpr int kConsumerWarpgroups = 2;  // both consumer schedules (tile.
 inline constexpr int kMinStages = 2;           // one stage would serialize copies and math
 // Past 8 stages (8 x 32 KB at block_n = 64) the ring already covers DRAM latency.
 inline constexpr int kMaxStages = 8;
+// Whether the routed experts (at most E, at most one a pair) hold `rows` rows each or fewer on
+// average: the size test behind the tile and path choices below.
+inline bool mean_rows_per_expert_at_most(const FusedMoeBf16Problem& problem, int64_t rows) {
+  const int64_t pairs = problem.num_tokens * problem.top_k;
+  return pairs <= std::min(problem.num_experts, pairs) * rows;
+}
+
 // Mean rows per routed expert at or below which the forward takes decode-sized tiles
 // (resolve_config): a quarter of a 128-row block or less is real.
 inline constexpr int64_t kDecodeRowsPerExpert = 32;
@@ -284,9 +291,7 @@ inline bool fills_ping_pong_tiles(int64_t hidden_dim) {
 // (Qwen3).
 inline constexpr int64_t kMxfp8WidenRowsPerExpert = 256;
 inline bool mxfp8_widens_weights(const FusedMoeBf16Problem& problem) {
-  const int64_t pairs = problem.num_tokens * problem.top_k;
-  const int64_t routed = std::min(problem.num_experts, pairs);
-  return pairs > routed * kMxfp8WidenRowsPerExpert;
+  return !mean_rows_per_expert_at_most(problem, kMxfp8WidenRowsPerExpert);
 }
 
 // The rows of the forward's tiles: moe_align's block_m, except for register-A (MXFP8) tiles at
@@ -295,14 +300,15 @@ inline bool mxfp8_widens_weights(const FusedMoeBf16Problem& problem) {
 // gate/up tile's widening chains wait on their latency (ncu, benchmarks/RESULTS.md 2026-12-04),
 // and twice the consumer warps a scheduler hide it. Their 32 accumulators a thread are what
 // lets two CTAs' registers fit. H100, T = 64, moe_align + fused_moe_mxfp8 against one CTA an SM
-// of 128-row tiles (benchmarks/RESULTS.md 2026-12-05): DeepSeek-V3-32 and Mixtral-8x7B 1.16x,
-// Qwen3-30B-A3B 1.18x, with the upper tiles scheduled last (1.02x with them interleaved).
+// of 128-row tiles (benchmarks/RESULTS.md 2026-12-05): 1.16x at DeepSeek-V3-32 and Mixtral-8x7B
+// in one sitting; with the upper tiles scheduled last (1.04x more at Qwen3-30B-A3B), 1.18x at
+// all three against two sittings' figures.
 template <class Weights>
 int tile_block_m(const FusedMoeBf16Problem& pr, int block_n) {
   if constexpr (Weights::kRegisterA) {
-    const int64_t pairs = pr.num_tokens * pr.top_k;
-    const int64_t routed = std::min(pr.num_experts, pairs);
-    if (pr.block_m == 128 && block_n == 64 && pairs <= routed * kDecodeRowsPerExpert) return 64;
+    if (pr.block_m == 128 && block_n == 64 &&
+        mean_rows_per_expert_at_most(pr, kDecodeRowsPerExpert))
+      return 64;
   }
   return int(pr.block_m);
 }
@@ -346,8 +352,8 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
     const int64_t routed = std::min(problem.num_experts, pairs);
     const int64_t blocks = std::min(problem.max_padded / block_m, routed + pairs / block_m);
     const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
-    const bool narrow = pairs <= routed * (Weights::kRegisterA ? kRegisterANarrowRowsPerExpert
-                                                               : kDecodeRowsPerExpert);
+    const bool narrow = mean_rows_per_expert_at_most(
+        problem, Weights::kRegisterA ? kRegisterANarrowRowsPerExpert : kDecodeRowsPerExpert);
     // The ping-pong gate/up tile (96) where blocks are full (kPingPongRowsPerExpert rows an
     // expert on average) and H fills its tiles.
     const bool ping_pong = has_tile<Weights>(block_m, Bf16Weights::kGateUpPingPongN) &&
