@@ -1,15 +1,17 @@
-"""A/B of two builds of prime_kernels' flash_moe, each measured in its own processes.
+"""A/B of two builds of prime_kernels' flash_moe (or of up to four: A/B/C/D), each measured in
+its own processes.
 
-    python benchmarks/ab.py --a PATH_A --b PATH_B [--rounds 3] [--configs qwen3,...]
-                            [--tokens 64,1024,...] [--splits true,false]
+    python benchmarks/ab.py --a PATH_A --b PATH_B [--c PATH_C [--d PATH_D]] [--rounds 3]
+                            [--configs qwen3,...] [--tokens 64,1024,...] [--splits true,false]
                             [--mode fwd|train|mxfp8]
 
-PATH_A and PATH_B are source trees of prime_kernels, each built in place (e.g. /work/main
-and a copy of an older commit under scratch/). Both register torch.ops.prime_moe, which a
+PATH_A, PATH_B, ... are source trees of prime_kernels, each built in place (e.g. /work/main
+and a copy of an older commit under scratch/). All register torch.ops.prime_moe, which a
 process can load only once, so every measurement runs in a child process of this script
 with PYTHONPATH=PATH (the child refuses a prime_kernels imported from anywhere else). Each
-round runs A then B, the next one B then A, and so on: drift in clocks or temperature falls
-on both builds alike.
+round runs every build once, each round's order the last one's rotated by one (A B, B A, ...;
+A B C, B C A, C A B, ...): drift in clocks or temperature falls on all builds alike, and the
+ratios of more than two builds come from one sitting.
 
 A child creates each config's weights once, and every input, from --seed (the same data for
 A and B: each child records an exact fingerprint of its inputs, and the parent compares
@@ -26,9 +28,10 @@ four gradients' errors, in train mode) are checked against reference.py's groupe
 Prints config | T | split | A ms | B ms (medians over rounds) | A/B of each round | their
 median (above 1: B is faster) | the SM clock each ran at (NVML, median over rounds: at the power
 cap a faster build may run at a lower clock) | both rel errs, then the geometric mean of the median
-ratios, and writes every child's raw numbers and the summary to $OUT/ab.json (or --json).
+ratios, and writes every child's raw numbers and the summary to $OUT/ab.json (or --json). With
+--c (--d) the same for C (D): its ms, A/C of each round and their median, its clock and rel err.
 ``--self-test`` runs it all on CPU at a toy shape, with grouped-mm standing in for ours
-and a second tree that links to this one's prime_kernels, and checks the result.
+and two more trees that link to this one's prime_kernels, and checks the result.
 """
 
 from __future__ import annotations
@@ -72,7 +75,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--a", help="source tree of build A (built in place)")
     p.add_argument("--b", help="source tree of build B (built in place)")
-    p.add_argument("--rounds", type=int, default=3, help="A,B then B,A, ... (default 3)")
+    p.add_argument("--c", help="source tree of a build C, timed in the same rounds")
+    p.add_argument("--d", help="source tree of a build D (with --c)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="A,B then B,A, ...; with C: rotated (default 3)"
+    )
     p.add_argument(
         "--configs",
         default=",".join(flash_moe.CONFIGS),
@@ -122,6 +129,8 @@ def parse_args(argv=None):
         args.tokens_list = [int(t) for t in args.tokens.split(",") if t.strip()]
         if not args.child and not (args.a and args.b):
             p.error("--a and --b are required (or --self-test)")
+        if args.d and not args.c:
+            p.error("--d needs --c")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.mode in ("train", "mxfp8"):
@@ -319,51 +328,48 @@ def run_child(args, path, check):
     return doc
 
 
-def summarize(args, rounds):
+def ratio_key(side, key):
+    """The summary's key of A over `side`: B's keep their two-build names ("ratios")."""
+    return key if side == "b" else f"{key}_{side}"
+
+
+def summarize(args, rounds, sides):
     """One row per (config, T, split) in request order."""
     rows = []
     configs = flash_moe.SELF_TEST_CONFIGS if args.self_test else flash_moe.CONFIGS
     for cfg in args.configs_list:
         for T in args.tokens_list:
             for split in args.splits:
-                per = {side: [] for side in "ab"}
+                per = {side: [] for side in sides}
                 for rec in rounds:
-                    for side in "ab":
+                    for side in sides:
                         found = [
                             e
                             for e in rec[side]["shapes"]
                             if (e["config"], e["T"], e["split"]) == (cfg, T, split)
                         ]
                         per[side].append(found[0] if found else {})
-                ms = {side: [e.get("ms") for e in per[side]] for side in "ab"}
-                ratios = [a / b if a and b else None for a, b in zip(ms["a"], ms["b"])]
-                done = [r for r in ratios if r]
-                inputs = [e["inputs"] for side in "ab" for e in per[side] if "inputs" in e]
-                row = {
-                    "config": configs[cfg][0],
-                    "T": T,
-                    "split": split,
-                    "a_ms": ms["a"],
-                    "b_ms": ms["b"],
-                    "a_median_ms": median([m for m in ms["a"] if m]),
-                    "b_median_ms": median([m for m in ms["b"] if m]),
-                    "ratios": ratios,
-                    "median_ratio": median(done),
+                ms = {side: [e.get("ms") for e in per[side]] for side in sides}
+                inputs = [e["inputs"] for side in sides for e in per[side] if "inputs" in e]
+                row = {"config": configs[cfg][0], "T": T, "split": split}
+                for side in sides:
+                    row[f"{side}_ms"] = ms[side]
+                    row[f"{side}_median_ms"] = median([m for m in ms[side] if m])
+                for side in sides[1:]:
+                    ratios = [a / x if a and x else None for a, x in zip(ms["a"], ms[side])]
+                    row[ratio_key(side, "ratios")] = ratios
+                    row[ratio_key(side, "median_ratio")] = median([r for r in ratios if r])
+                for side in sides:
                     # the SM clock (MHz) each side ran at, its median over rounds (NVML)
-                    **{
-                        f"{side}_sm_clock_mhz": median(
-                            [e["clocks"]["sm_clock_mhz"] for e in per[side] if "clocks" in e]
-                        )
-                        for side in "ab"
-                    },
-                    "a_rel_err": per["a"][0].get("rel_err"),
-                    "b_rel_err": per["b"][0].get("rel_err"),
-                    # None: no run of this shape got as far as its inputs
-                    "inputs_identical": all(i == inputs[0] for i in inputs) if inputs else None,
-                    "errors": {
-                        side: sorted({e["error"] for e in per[side] if "error" in e})
-                        for side in "ab"
-                    },
+                    row[f"{side}_sm_clock_mhz"] = median(
+                        [e["clocks"]["sm_clock_mhz"] for e in per[side] if "clocks" in e]
+                    )
+                for side in sides:
+                    row[f"{side}_rel_err"] = per[side][0].get("rel_err")
+                # None: no run of this shape got as far as its inputs
+                row["inputs_identical"] = all(i == inputs[0] for i in inputs) if inputs else None
+                row["errors"] = {
+                    side: sorted({e["error"] for e in per[side] if "error" in e}) for side in sides
                 }
                 rows.append(row)
     return rows
@@ -373,7 +379,7 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-def table(rows):
+def table(rows, sides):
     def ms(key):
         return lambda r: harness.fmt_ms(r[key]) if r[key] else ""
 
@@ -382,56 +388,68 @@ def table(rows):
     def err(key):
         return lambda r: flagged({"rel_err": r[key]})
 
+    def per_round(key):
+        return lambda r: " ".join(harness.fmt(x, ".3f", "-") for x in r[key])
+
     cols = [
         harness.value_column("config", "config"),
         harness.value_column("T", "T"),
         harness.value_column("split", "split"),
-        harness.Column("A ms", ms("a_median_ms")),
-        harness.Column("B ms", ms("b_median_ms")),
-        harness.Column(
-            "A/B per round", lambda r: " ".join(harness.fmt(x, ".3f", "-") for x in r["ratios"])
-        ),
-        harness.value_column("median A/B", "median_ratio", ".3f"),
-        harness.Column(
-            "A / B MHz",
-            lambda r: (
-                f"{harness.fmt(r['a_sm_clock_mhz'], '.0f', '-')} / "
-                f"{harness.fmt(r['b_sm_clock_mhz'], '.0f', '-')}"
-            ),
-        ),
-        harness.Column("A rel err", err("a_rel_err")),
-        harness.Column("B rel err", err("b_rel_err")),
+        *(harness.Column(f"{side.upper()} ms", ms(f"{side}_median_ms")) for side in sides),
     ]
+    for side in sides[1:]:
+        name = f"A/{side.upper()}"
+        cols.append(harness.Column(f"{name} per round", per_round(ratio_key(side, "ratios"))))
+        cols.append(harness.value_column(f"median {name}", ratio_key(side, "median_ratio"), ".3f"))
+    cols.append(
+        harness.Column(
+            " / ".join(side.upper() for side in sides) + " MHz",
+            lambda r: " / ".join(
+                harness.fmt(r[f"{side}_sm_clock_mhz"], ".0f", "-") for side in sides
+            ),
+        )
+    )
+    cols += [harness.Column(f"{side.upper()} rel err", err(f"{side}_rel_err")) for side in sides]
     return harness.text_table(cols, rows)
 
 
 def self_test_trees():
-    """(A, B, scratch): this tree, and a temporary one whose prime_kernels links to it, so
-    the two children import the same code from two different PYTHONPATHs."""
+    """(A, B, C, scratch): this tree, and two temporary ones whose prime_kernels links to it, so
+    the children import the same code from three different PYTHONPATHs."""
     scratch = Path(tempfile.mkdtemp(prefix="ab-self-test-"))
-    (scratch / "b").mkdir()
-    (scratch / "b" / "prime_kernels").symlink_to(harness.ROOT / "prime_kernels")
-    return harness.ROOT, scratch / "b", scratch
+    for name in "bc":
+        (scratch / name).mkdir()
+        (scratch / name / "prime_kernels").symlink_to(harness.ROOT / "prime_kernels")
+    return harness.ROOT, scratch / "b", scratch / "c", scratch
 
 
-def check_self_test(args, doc):
+def round_order(sides, i):
+    """Round i's order: the sides rotated by i (A B, B A, ... for two)."""
+    shift = i % len(sides)
+    return sides[shift:] + sides[:shift]
+
+
+def check_self_test(args, doc, sides):
     problems = []
     rows = doc["shapes"]
     if len(rows) != len(args.configs_list) * len(args.tokens_list) * len(args.splits):
         problems.append(f"{len(rows)} summary rows")
     for r in rows:
         where = f"{r['config']} T={r['T']} split={r['split']}"
-        if not (all(r["ratios"]) and len(r["ratios"]) == args.rounds and r["median_ratio"]):
-            problems.append(f"{where}: ratios {r['ratios']}")
-        if r["a_rel_err"] != 0.0 or r["b_rel_err"] != 0.0:
-            problems.append(f"{where}: rel errs {r['a_rel_err']}, {r['b_rel_err']}")
+        for side in sides[1:]:
+            ratios, med = r[ratio_key(side, "ratios")], r[ratio_key(side, "median_ratio")]
+            if not (all(ratios) and len(ratios) == args.rounds and med):
+                problems.append(f"{where}: A/{side.upper()} ratios {ratios}")
+        errs = [r[f"{side}_rel_err"] for side in sides]
+        if any(e != 0.0 for e in errs):
+            problems.append(f"{where}: rel errs {errs}")
         if r["inputs_identical"] is not True:
-            problems.append(f"{where}: A and B saw different inputs")
+            problems.append(f"{where}: the builds saw different inputs")
     orders = [rec["order"] for rec in doc["rounds"]]
-    if orders != [["a", "b"] if i % 2 == 0 else ["b", "a"] for i in range(args.rounds)]:
+    if orders != [round_order(sides, i) for i in range(args.rounds)]:
         problems.append(f"orders {orders}")
     for rec in doc["rounds"]:
-        for side in "ab":
+        for side in sides:
             got = rec[side]
             imported = Path(got.get("build", {}).get("prime_kernels", "/nonexistent"))
             if not imported.exists() or not os.path.samefile(
@@ -448,11 +466,13 @@ def check_self_test(args, doc):
 def parent(args):
     scratch = None
     if args.self_test:
-        a, b, scratch = self_test_trees()
+        a, b, c, scratch = self_test_trees()
         args.json = args.json or str(scratch / "ab.json")
+        paths = {"a": a, "b": b, "c": c}
     else:
-        a, b = Path(args.a).resolve(), Path(args.b).resolve()
-    paths = {"a": a, "b": b}
+        given = {"a": args.a, "b": args.b, "c": args.c, "d": args.d}
+        paths = {side: Path(p).resolve() for side, p in given.items() if p}
+    sides = list(paths)
     out_dir = os.environ.get("OUT")
     json_path = args.json or (os.path.join(out_dir, "ab.json") if out_dir else None)
     meta = harness.run_meta(args.argv)
@@ -471,11 +491,14 @@ def parent(args):
         rep_ms=args.rep_ms,
         self_test=args.self_test,
     )
-    log(f"{meta['date']} | A {a} ({meta['a']['commit']}) | B {b} ({meta['b']['commit']})")
+    log(
+        f"{meta['date']} | "
+        + " | ".join(f"{side.upper()} {p} ({meta[side]['commit']})" for side, p in paths.items())
+    )
     log(f"command: {meta['command']}")
     doc = {"meta": meta, "rounds": [], "shapes": [], "geomean_ratio": None}
     for i in range(args.rounds):
-        order = ["a", "b"] if i % 2 == 0 else ["b", "a"]
+        order = round_order(sides, i)
         rec = {"round": i, "order": order}
         for side in order:
             log(f"round {i + 1}/{args.rounds}: {side.upper()} ({paths[side]})")
@@ -483,39 +506,44 @@ def parent(args):
         doc["rounds"].append(rec)
         if json_path:  # after every round: a run cut short still leaves its numbers
             harness.write_json(json_path, doc)
-    rows = summarize(args, doc["rounds"])
+    rows = summarize(args, doc["rounds"], sides)
     doc["shapes"] = rows
-    doc["geomean_ratio"] = harness.geomean([r["median_ratio"] for r in rows])
-    doc["geomean_ratio_by_split"] = {
-        str(s): harness.geomean([r["median_ratio"] for r in rows if r["split"] == s])
-        for s in args.splits
-    }
     log("")
-    log(table(rows))
-    n = sum(1 for r in rows if r["median_ratio"])
-    log(
-        f"geometric mean of the median A/B over {n} shapes: "
-        f"{harness.fmt(doc['geomean_ratio'], '.3f', 'n/a')} (above 1: B is faster)"
-    )
-    for s, g in doc["geomean_ratio_by_split"].items():
-        log(f"  split={s}: {harness.fmt(g, '.3f', 'n/a')}")
+    log(table(rows, sides))
+    for side in sides[1:]:
+        med = ratio_key(side, "median_ratio")
+        doc[ratio_key(side, "geomean_ratio")] = harness.geomean([r[med] for r in rows])
+        doc[ratio_key(side, "geomean_ratio_by_split")] = {
+            str(s): harness.geomean([r[med] for r in rows if r["split"] == s]) for s in args.splits
+        }
+        n = sum(1 for r in rows if r[med])
+        name = f"A/{side.upper()}"
+        log(
+            f"geometric mean of the median {name} over {n} shapes: "
+            f"{harness.fmt(doc[ratio_key(side, 'geomean_ratio')], '.3f', 'n/a')} "
+            f"(above 1: {side.upper()} is faster)"
+        )
+        for s, g in doc[ratio_key(side, "geomean_ratio_by_split")].items():
+            log(f"  split={s}: {harness.fmt(g, '.3f', 'n/a')}")
     failed = [
         f"round {rec['round'] + 1} {side.upper()}: {rec[side]['error']}"
         for rec in doc["rounds"]
-        for side in "ab"
+        for side in sides
         if rec[side].get("error")
     ]
     mismatched = [f"{r['config']} T={r['T']}" for r in rows if r["inputs_identical"] is False]
     for line in failed:
         log(f"failed: {line}")
     if mismatched:
-        log(f"A and B did not see the same inputs at: {', '.join(sorted(set(mismatched)))}")
+        log(f"the builds did not see the same inputs at: {', '.join(sorted(set(mismatched)))}")
     if json_path:
         harness.write_json(json_path, doc)
         log(f"wrote {json_path}")
     if args.self_test:
-        problems = check_self_test(args, doc)
-        harness.self_test_verdict(problems, scratch, f"{len(rows)} shapes, {args.rounds} rounds")
+        problems = check_self_test(args, doc, sides)
+        harness.self_test_verdict(
+            problems, scratch, f"{len(rows)} shapes, {len(sides)} builds, {args.rounds} rounds"
+        )
     return 1 if failed or mismatched else 0
 
 

@@ -1,7 +1,8 @@
-"""The flash_moe benchmark's own self-test (benchmarks/flash_moe.py --self-test, CPU): the
-forward and training runs at a toy shape, with stand-ins for ours and for a peer timed at two
-settings, through rows, speedups (against the peer at its best too), tables, the raw JSON,
---merge and --combine. The benchmark's numbers are only as good as that pipeline."""
+"""The benchmarks' own self-tests (CPU): benchmarks/flash_moe.py --self-test, the forward and
+training runs at a toy shape, with stand-ins for ours and for a peer timed at two settings,
+through rows, speedups (against the peer at its best too), tables, the raw JSON, --merge and
+--combine; and benchmarks/ab.py --self-test. The benchmarks' numbers are only as good as these
+pipelines."""
 
 from __future__ import annotations
 
@@ -37,6 +38,35 @@ def test_benchmark_self_test(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "self-test passed" in result.stdout, output[-4000:]
+
+
+def test_ab_self_test(tmp_path):
+    """benchmarks/ab.py --self-test (CPU): three builds (this tree and two that link to its
+    prime_kernels) in rotated rounds, their inputs compared, each child's import checked, the
+    A/B and A/C ratios and the JSON."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "ab.py"),
+            "--self-test",
+            "--rounds",
+            "3",
+            "--json",
+            str(tmp_path / "ab.json"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "self-test passed: 4 shapes, 3 builds, 3 rounds" in output, output[-4000:]
 
 
 def test_gpu_clock_summaries():
