@@ -14,21 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_benchmark_self_test(tmp_path):
+def run_self_test(script, *args):
+    """Runs benchmarks/<script> --self-test with args on this tree; returns (stdout, stdout and
+    stderr)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "flash_moe.py"),
-            "--self-test",
-            "--results",
-            str(tmp_path / "RESULTS.md"),
-            "--results-json",
-            str(tmp_path / "flash_moe.json"),
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--self-test", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -37,35 +31,25 @@ def test_benchmark_self_test(tmp_path):
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    assert "self-test passed" in result.stdout, output[-4000:]
+    return result.stdout, output
+
+
+def test_benchmark_self_test(tmp_path):
+    stdout, output = run_self_test(
+        "flash_moe.py",
+        "--results",
+        str(tmp_path / "RESULTS.md"),
+        "--results-json",
+        str(tmp_path / "flash_moe.json"),
+    )
+    assert "self-test passed" in stdout, output[-4000:]
 
 
 def test_ab_self_test(tmp_path):
     """benchmarks/ab.py --self-test (CPU): three builds (this tree and two that link to its
     prime_kernels) in rotated rounds, their inputs compared, each child's import checked, the
     A/B and A/C ratios and the JSON."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "ab.py"),
-            "--self-test",
-            "--rounds",
-            "3",
-            "--json",
-            str(tmp_path / "ab.json"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    _, output = run_self_test("ab.py", "--rounds", "3", "--json", str(tmp_path / "ab.json"))
     assert "self-test passed: 4 shapes, 3 builds, 3 rounds" in output, output[-4000:]
 
 
