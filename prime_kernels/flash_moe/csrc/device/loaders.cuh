@@ -189,14 +189,21 @@ struct GatherTokenRows {
     }
   }
 
+  // A stage's K slice of 64 columns, or of 128 (two 64-column atoms, Tile::kKAtoms).
   __device__ __forceinline__ void load(const MoeGemmParams& p, const CUtensorMap* /*map*/,
                                        uint8_t* smem_a, uint64_t* full, int kb) const {
     using namespace prime_kernels;
     const uint32_t dst = smem_addr(smem_a) + thread_offset;
     const uint4* src = reinterpret_cast<const uint4*>(p.x) + kb * (Tile::kBlockK / 8);
+    // One atom's copies at a time: unrolled across atoms, their 64-bit source addresses all
+    // lived at once and spilled the producer's 40 registers (ptxas).
+#pragma unroll 1
+    for (int atom = 0; atom < Tile::kKAtoms; ++atom) {
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i)
-      cp_async_16_zfill(dst + i * 16 * 128, src + src_chunk[i], (valid_mask >> i) & 1);
+      for (int i = 0; i < kRowsPerThread; ++i)
+        cp_async_16_zfill(dst + atom * Tile::kAAtomBytes + i * 16 * 128,
+                          src + 8 * atom + src_chunk[i], (valid_mask >> i) & 1);
+    }
     cp_async_mbarrier_arrive_noinc(full);
   }
 
@@ -223,8 +230,8 @@ constexpr int kTmaRowsBoxRows = 64;
 template <class Tile>
 struct TmaRows : TmaLoader {
   using Layout = prime_kernels::SmemKMajor;
-  static constexpr int kBoxes = Tile::kBlockM / kTmaRowsBoxRows;
-  static constexpr uint32_t kBoxBytes = kTmaRowsBoxRows * Tile::kBlockK * 2;
+  static constexpr int kBoxes = Tile::kBlockM / kTmaRowsBoxRows;  // per 64-column K atom
+  static constexpr uint32_t kBoxBytes = kTmaRowsBoxRows * 128;
   static constexpr uint32_t kTmaBytes = Tile::kABytes;  // at most
   static_assert(Tile::kBlockM % kTmaRowsBoxRows == 0, "whole 64-row boxes");
 
@@ -244,16 +251,22 @@ struct TmaRows : TmaLoader {
       if (routed_pair(p, npp, w.row0 + kTmaRowsBoxRows) < 0) boxes = 1;
   }
 
-  __device__ __forceinline__ uint32_t tile_tma_bytes() const { return boxes * kBoxBytes; }
+  __device__ __forceinline__ uint32_t tile_tma_bytes() const {
+    return boxes * kBoxBytes * Tile::kKAtoms;
+  }
 
   __device__ __forceinline__ void load(const MoeGemmParams& /*p*/, const CUtensorMap* map,
                                        uint8_t* smem_a, uint64_t* full, int kb) const {
     using namespace prime_kernels;
 #pragma unroll
-    for (int box = 0; box < kBoxes; ++box)
-      if (box < boxes)
-        tma_load_2d(smem_addr(smem_a) + box * kBoxBytes, map, smem_addr(full), kb * Tile::kBlockK,
-                    row0 + box * kTmaRowsBoxRows);
+    for (int atom = 0; atom < Tile::kKAtoms; ++atom) {
+#pragma unroll
+      for (int box = 0; box < kBoxes; ++box)
+        if (box < boxes)
+          tma_load_2d(smem_addr(smem_a) + atom * Tile::kAAtomBytes + box * kBoxBytes, map,
+                      smem_addr(full), kb * Tile::kBlockK + 64 * atom,
+                      row0 + box * kTmaRowsBoxRows);
+    }
   }
 };
 

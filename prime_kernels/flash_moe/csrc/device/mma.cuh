@@ -134,6 +134,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
   // registers are spent.
   static constexpr int kRound = kMmaM == 1 ? 2 : 1;
   static constexpr int kRounds = kSteps / kRound;
+  static constexpr int kBlocks = Tile::kBlockK / 32;  // MX blocks (scale columns) a stage
   static_assert(kRounds % 2 == 0, "a slice's rounds alternate the two fragment buffers");
   static_assert(kRound * Mma::kK <= 32, "a round's steps share one 32-block's scales");
 
@@ -197,7 +198,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
       for (int i = 0; i < 2; ++i) {
         const int tile = Consumers::stage_tile(mh, i);
         const int row = Consumers::tile_row(mh, i, warp, g, row_offset);
-        value_at[mh][i] = (tile * Tile::kBlockN + row) * Tile::kBlockK + 2 * q;
+        value_at[mh][i] = (tile * Tile::kBlockN + row) * 64 + 2 * q;  // in the stage's K atom 0
         const int r = scale_row0 + row;  // from the tile's first scale block
         scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
                           (r % 32) * 16 + (r % 128) / 32 * 4;
@@ -221,23 +222,23 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
       // with a carry and one more move to uniform registers, in every k16 step.
       const uint32_t desc_lo = uint32_t(desc_b), desc_hi = uint32_t(desc_b >> 32);
       const auto desc_b_step = [&](int kk) {
-        return uint64_t(desc_hi) << 32 | uint32_t(desc_lo + ALayout::kDescPerK16 * kk);
+        const uint32_t offset =
+            (kk / 4) * (Tile::kAAtomBytes >> 4) + ALayout::kDescPerK16 * (kk % 4);
+        return uint64_t(desc_hi) << 32 | uint32_t(desc_lo + offset);
       };
-      // The slice's two 32-blocks' scales of rows r0 and r1 (one 2-byte read each) as their
-      // bf16x2 multipliers and whether both are fast-path scales, once per slice.
-      uint32_t fast[kMmaM][2][2];
-      bool scales_fast[kMmaM][2];
+      // The slice's 32-blocks' scales of rows r0 and r1 (one 2- or 4-byte read each, a byte a
+      // block); each round works out its block's bf16x2 multipliers and whether both are
+      // fast-path scales (kept for the whole slice, four blocks' of them spilled at two CTAs an
+      // SM).
+      uint32_t scales[kMmaM][2];
 #pragma unroll
       for (int mh = 0; mh < kMmaM; ++mh) {
-        const uint32_t scales0 = ld_shared_u16(weights + scale_at[mh][0] + 2 * (kb & 1));
-        const uint32_t scales1 = ld_shared_u16(weights + scale_at[mh][1] + 2 * (kb & 1));
 #pragma unroll
-        for (int block = 0; block < 2; ++block) {
-          const uint32_t s0 = (scales0 >> (8 * block)) & 0xFF;
-          const uint32_t s1 = (scales1 >> (8 * block)) & 0xFF;
-          fast[mh][block][0] = mxfp8_fast_scale_bf16x2(s0);
-          fast[mh][block][1] = mxfp8_fast_scale_bf16x2(s1);
-          scales_fast[mh][block] = max(s0, s1) <= kMxfp8FastScaleMax;
+        for (int i = 0; i < 2; ++i) {
+          if constexpr (kBlocks == 2)  // the 512-byte block's columns 2 (kb % 2), + 1
+            scales[mh][i] = ld_shared_u16(weights + scale_at[mh][i] + 2 * (kb & 1));
+          else  // all four
+            scales[mh][i] = ld_shared_u32(weights + scale_at[mh][i]);
         }
       }
       // A round is kRound k16 steps of one 32-block: their fragments are widened under one
@@ -249,8 +250,10 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
           const int kk = round * kRound + s;
 #pragma unroll
           for (int mh = 0; mh < kMmaM; ++mh) {
-            const uint32_t r0 = weights + value_at[mh][0] + 16 * (kk ^ swizzle);
-            const uint32_t r1 = weights + value_at[mh][1] + 16 * (kk ^ swizzle);
+            // 64-byte rows of K atom kk / 4, 16-byte chunk kk % 4 (swizzled)
+            const uint32_t chunk = (kk / 4) * Tile::kWeightAtomBytes + 16 * ((kk % 4) ^ swizzle);
+            const uint32_t r0 = weights + value_at[mh][0] + chunk;
+            const uint32_t r1 = weights + value_at[mh][1] + chunk;
             const uint32_t r0_lo = ld_shared_u16(r0);
             const uint32_t r1_lo = ld_shared_u16(r1);
             const uint32_t r0_hi = ld_shared_u16(r0 + 8);
@@ -267,8 +270,10 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
         const int block = round * kRound / 2;  // the round's 32-block: a byte of the scale reads
 #pragma unroll
         for (int mh = 0; mh < kMmaM; ++mh) {
-          mxfp8_fragments(raw[mh], fast[mh][block][0], fast[mh][block][1], scales_fast[mh][block],
-                          frag[buf][mh]);
+          const uint32_t s0 = (scales[mh][0] >> (8 * block)) & 0xFF;
+          const uint32_t s1 = (scales[mh][1] >> (8 * block)) & 0xFF;
+          mxfp8_fragments(raw[mh], mxfp8_fast_scale_bf16x2(s0), mxfp8_fast_scale_bf16x2(s1),
+                          max(s0, s1) <= kMxfp8FastScaleMax, frag[buf][mh]);
 #pragma unroll
           for (int s = 0; s < kRound; ++s) {
             nan_bytes |= (e4m3_nan_bytes(raw[mh][s][0], raw[mh][s][1]) & 0x80808080u) >> mh;

@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
     launch_dependent_grids();
   }
 
-  const Scheduler sched(p, Tile::kBlockM, Tile::kBlockN, Kernel::kClusterM);
+  const Scheduler sched(p, Tile::kBlockM, Tile::kBlockN, Tile::kBlockK, Kernel::kClusterM);
   const int num_tiles = sched.num_tiles();
   RingState rs;
   MoeWorkTile w;

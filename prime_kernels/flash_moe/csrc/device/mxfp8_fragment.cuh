@@ -55,6 +55,13 @@ __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
   return v;
 }
 
+// The same, 4 bytes (a 4-byte aligned address).
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 // Row r0's two bytes (lo16_r0: column c in the low byte, c + 1 in the high) and row r1's as one
 // word: bytes {r0[c], r1[c], r0[c + 1], r1[c + 1]} (even bytes r0, odd bytes r1).
 __device__ __forceinline__ uint32_t mxfp8_fragment_word(uint32_t lo16_r0, uint32_t lo16_r1) {

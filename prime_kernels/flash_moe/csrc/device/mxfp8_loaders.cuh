@@ -16,8 +16,9 @@
 //
 // Scales: expert e's (MN, K/32) scales in the blocked layout (mxfp8.pack_scales_blocked): scale
 // (r, c) at byte ((r / 128) * (K/32 / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 +
-// c % 4 of its MN * K/32 bytes. K step kb uses columns 2 kb and 2 kb + 1, which share column tile
-// kb / 2: one 512-byte block per 128 weight rows per step. A tile row past MN (the last n tile of
+// c % 4 of its MN * K/32 bytes. A 64-wide K step kb uses columns 2 kb and 2 kb + 1, which share
+// column tile kb / 2, a 128-wide one all four of column tile kb: one 512-byte block per 128 weight
+// rows per step. A tile row past MN (the last n tile of
 // the down GEMM when D % kBlockN != 0) reads the expert's last block instead: those weight rows
 // only make output columns the epilogue drops.
 //
@@ -76,8 +77,9 @@ __device__ __forceinline__ void mxfp8_widen16(uint4 v, float scale, uint4* dst) 
 
 // The weight loader of the register-A GEMMs (MoeGemmTileRS, RegisterAConsumers): thread 0 copies
 // the step's raw e4m3 weight tiles by TMA (64-byte swizzle: the consumers' 2-byte fragment reads
-// of 8 rows hit 8 distinct bank groups, mxfp8_fragment.cuh) and the step's scale blocks (bulk
-// copies) straight into the stage; the consumers widen them in registers. No producer threads
+// of 8 rows hit 8 distinct bank groups, mxfp8_fragment.cuh; a 128-wide K step is two such tiles
+// each, MoeGemmTileRS) and the step's scale blocks (bulk copies) straight into the stage; the
+// consumers widen them in registers. No producer threads
 // besides thread 0: the ring itself is the fp8 in flight (33 KB stages at 128 tokens x 256
 // weight rows, 6 of them). Tile b of expert e starts at row e * b_rows_per_expert +
 // n0 + b * b_second_offset of the (E * b_rows_per_expert, K) e4m3 view; a tile row past the
@@ -107,16 +109,20 @@ struct Mxfp8WeightTilesRS : TmaLoader {
     const uint32_t bar = smem_addr(full);
     const int row_tiles = p.b_rows_per_expert / 128;
     const int col_tiles = p.k_dim / 128;  // (K/32) / 4 scale column tiles
+    // The scale column tile of this stage's K: a 512-byte block holds 128 columns' scales.
+    const int col_tile = kb * Tile::kBlockK / 128;
 #pragma unroll
     for (int b = 0; b < Tile::kNumB; ++b) {
-      tma_load_2d(dst + b * Tile::kBlockN * Tile::kBlockK, map, bar, kb * Tile::kBlockK,
-                  value_row + b * p.b_second_offset);
+#pragma unroll
+      for (int atom = 0; atom < Tile::kKAtoms; ++atom)
+        tma_load_2d(dst + atom * Tile::kWeightAtomBytes + b * Tile::kBlockN * 64, map, bar,
+                    kb * Tile::kBlockK + 64 * atom, value_row + b * p.b_second_offset);
       const int row_tile = (n0 + b * p.b_second_offset) / 128;
 #pragma unroll
       for (int j = 0; j < Tile::kScaleBlocks; ++j) {
         const int t = min(row_tile + j, row_tiles - 1);
         bulk_copy_g2s(dst + Tile::kWeightBytes + (b * Tile::kScaleBlocks + j) * 512,
-                      scales + (size_t(t) * col_tiles + kb / 2) * 512, 512, bar);
+                      scales + (size_t(t) * col_tiles + col_tile) * 512, 512, bar);
       }
     }
   }

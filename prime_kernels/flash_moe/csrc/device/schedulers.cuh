@@ -23,7 +23,7 @@ struct MoeWorkTile {
   int row0;          // M-grouped: the block's first padded row; K-grouped: first output row
   int n0;            // first output column
   int k_row0;        // K-grouped: the expert's first padded row (K runs along rows)
-  int num_k_blocks;  // 64-wide K steps
+  int num_k_blocks;  // K steps of the tile's block_k
 };
 
 __device__ __forceinline__ int clamp_npp(const MoeGemmParams& p) {
@@ -45,7 +45,7 @@ struct MoeTileScheduler {
   int npp;          // num_tokens_post_padded clamped to [0, max_padded]
   int num_blocks;   // blocks of block_m rows holding rows below npp
   int num_n_tiles;  // ceil(n_dim / block_n)
-  int block_m, block_n;
+  int block_m, block_n, block_k;
   int cluster_m;        // tiles per pair: 1, or 2 for 2-CTA clusters
   int num_block_pairs;  // ceil(num_blocks / cluster_m); of whole expert blocks (tile_shift)
   int tile_shift;       // log2 of the tiles per expert block: 0, or 1 for 64-row tiles of 128
@@ -57,8 +57,13 @@ struct MoeTileScheduler {
     return pairs * cluster_m * ((p.n_dim + block_n - 1) / block_n);
   }
 
-  __device__ MoeTileScheduler(const MoeGemmParams& p, int block_m_, int block_n_, int cluster_m_)
-      : npp(clamp_npp(p)), block_m(block_m_), block_n(block_n_), cluster_m(cluster_m_) {
+  __device__ MoeTileScheduler(const MoeGemmParams& p, int block_m_, int block_n_, int block_k_,
+                              int cluster_m_)
+      : npp(clamp_npp(p)),
+        block_m(block_m_),
+        block_n(block_n_),
+        block_k(block_k_),
+        cluster_m(cluster_m_) {
     num_blocks = (npp + block_m - 1) / block_m;
     num_n_tiles = (p.n_dim + block_n - 1) / block_n;
     tile_shift = p.expert_block_rows > block_m ? 1 : 0;
@@ -90,7 +95,7 @@ struct MoeTileScheduler {
     if (upper != 0 && w.expert >= 0 && routed_pair(p, npp, w.row0) < 0) w.expert = -1;
     w.n0 = (first_n + within % width) * block_n;
     w.k_row0 = 0;
-    w.num_k_blocks = p.k_dim / 64;
+    w.num_k_blocks = p.k_dim / block_k;
     return w.expert >= 0;
   }
 };
@@ -100,7 +105,7 @@ struct ExpertKScheduler {
 
   int npp;
   int num_m_tiles, num_n_tiles, num_experts;
-  int block_m, block_n;
+  int block_m, block_n, block_k;
   int cluster_m;    // tiles per pair: 1, or 2 for 2-CTA clusters
   int num_m_pairs;  // ceil(num_m_tiles / cluster_m)
 
@@ -109,11 +114,13 @@ struct ExpertKScheduler {
     return int64_t(p.num_experts) * m_pairs * cluster_m * ((p.n_dim + block_n - 1) / block_n);
   }
 
-  __device__ ExpertKScheduler(const MoeGemmParams& p, int block_m_, int block_n_, int cluster_m_)
+  __device__ ExpertKScheduler(const MoeGemmParams& p, int block_m_, int block_n_, int block_k_,
+                              int cluster_m_)
       : npp(clamp_npp(p)),
         num_experts(p.num_experts),
         block_m(block_m_),
         block_n(block_n_),
+        block_k(block_k_),
         cluster_m(cluster_m_) {
     num_m_tiles = (p.m_dim + block_m - 1) / block_m;
     num_n_tiles = (p.n_dim + block_n - 1) / block_n;
@@ -137,7 +144,7 @@ struct ExpertKScheduler {
     const int begin = p.segments[w.expert];
     const int end = min(p.segments[num_experts + w.expert], npp);
     w.k_row0 = begin;
-    w.num_k_blocks = end > begin ? (end - begin) / 64 : 0;
+    w.num_k_blocks = end > begin ? (end - begin) / block_k : 0;
     return m_tile < num_m_tiles;
   }
 };

@@ -20,6 +20,8 @@ struct MoeGemmTile {
   static constexpr int kNumB = kNumB_;
   static constexpr int kBlockK = 64;  // one 128-byte swizzle row of bf16
   static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kKAtoms = 1;            // 64-wide K atoms of A in a stage
+  static constexpr int kAAtomBytes = kABytes;  // bytes of one
   static constexpr int kBBytes = kNumB * kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpilogueBytes = 0;  // the epilogues store from registers
@@ -118,14 +120,23 @@ struct PingPongConsumers {
 // stage, so deeper rings fit. kEpilogueBytes: the transposed MXFP8 epilogue's exchange of
 // per-32-row exponents between the two warps of a 32-row block (mxfp8_epilogues.cuh), 512
 // bytes a consumer warpgroup.
-template <int kBlockM_, int kBlockN_, int kNumB_>
+//
+// kBlockK = 128: a stage holds two 64-wide K atoms of each (tokens: two kBlockM x 128-byte
+// swizzle tiles; weights: two sets of kNumB 64-byte-swizzled tiles), and its scale blocks' four
+// columns are all the stage's: half the per-stage work of the consumers' loop (the ring wait, the
+// proxy fences, the release, the scale reads and the descriptors) per weight byte, where that
+// work was about a quarter of a decode tile's instructions (docs/flash_moe_mxfp8_design.md).
+template <int kBlockM_, int kBlockN_, int kNumB_, int kBlockK_>
 struct MoeGemmTileRS {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNumB = kNumB_;
-  static constexpr int kBlockK = 64;  // one 128-byte row of bf16 tokens, 64 bytes of e4m3
+  static constexpr int kBlockK = kBlockK_;
+  static constexpr int kKAtoms = kBlockK / 64;  // 128-byte rows of bf16 tokens, 64 of e4m3
   static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kAAtomBytes = kBlockM * 128;
   static constexpr int kScaleBlocks = kBlockN > 128 ? kBlockN / 128 : 1;  // per weight tile
+  static constexpr int kWeightAtomBytes = kNumB * kBlockN * 64;
   static constexpr int kWeightBytes = kNumB * kBlockN * kBlockK;
   static constexpr int kScaleBytes = kNumB * kScaleBlocks * 512;
   static constexpr int kBBytes = (kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
@@ -135,6 +146,8 @@ struct MoeGemmTileRS {
   static_assert(kBlockM == 64 || kBlockM == 128, "a block's tokens are at most one wgmma N");
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "whole 64-row wgmma M");
   static_assert(kBlockN <= 128 || kBlockN % 128 == 0, "whole 128-row scale tiles");
+  static_assert(kBlockK == 64 || kBlockK == 128, "a scale block's 128 columns hold whole stages");
+  static_assert(kWeightAtomBytes % 1024 == 0, "each atom keeps the 64B swizzle's alignment");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
                 "stage buffers keep the 1024-byte alignment of the 128B swizzle atom");
 
