@@ -80,8 +80,8 @@ __device__ __forceinline__ void mxfp8_widen16(uint4 v, float scale, uint4* dst) 
 // of 8 rows hit 8 distinct bank groups, mxfp8_fragment.cuh; a 128-wide K step is two such tiles
 // each, MoeGemmTileRS) and the step's scale blocks (bulk copies) straight into the stage; the
 // consumers widen them in registers. No producer threads
-// besides thread 0: the ring itself is the fp8 in flight (33 KB stages at 128 tokens x 256
-// weight rows, 6 of them). Tile b of expert e starts at row e * b_rows_per_expert +
+// besides thread 0: the ring itself is the fp8 in flight (65 KB stages of 128 K at 128 tokens x
+// 256 weight rows, 3 of them). Tile b of expert e starts at row e * b_rows_per_expert +
 // n0 + b * b_second_offset of the (E * b_rows_per_expert, K) e4m3 view; a tile row past the
 // expert's rows reads the last scale block (its output columns are dropped).
 template <class Tile>
