@@ -272,10 +272,12 @@ inline bool mean_rows_per_expert_at_most(const FusedMoeBf16Problem& problem, int
 // (resolve_config): a quarter of a 128-row block or less is real.
 inline constexpr int64_t kDecodeRowsPerExpert = 32;
 // The same for register-A (MXFP8) tiles, whose 64-wide gate/up tile and 128-row down tile widen
-// one m64 block a warpgroup in rounds of two k16 steps (mma.cuh): at 256 rows an expert or fewer
-// that beats the 128-wide tiles' two m64 blocks of single steps (H200, T = 64 and 1024,
-// Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B: 2.4-11% less time, benchmarks/RESULTS.md).
-inline constexpr int64_t kRegisterANarrowRowsPerExpert = 256;
+// one m64 block a warpgroup in rounds of two k16 steps (mma.cuh), against the 128-wide tiles' two
+// m64 blocks of single steps, which gather each token block for twice the weight rows. With
+// 128-wide K stages the 128-wide tiles win at 256 rows an expert (H200, T = 1024: DeepSeek-V3-32
+// 1.09x, Mixtral-8x7B 1.07x; benchmarks/RESULTS.md twentieth session); at 64 rows (Qwen3-30B-A3B
+// T = 1024) and at decode sizes the 64-wide tiles stay (as measured with 64-wide stages, 2.4-11%).
+inline constexpr int64_t kRegisterANarrowRowsPerExpert = 128;
 // Mean rows per routed expert from which the bf16 forward takes the ping-pong gate/up tile
 // (block_n = 96, ForwardKernels): two or more full 128-row blocks an expert.
 inline constexpr int64_t kPingPongRowsPerExpert = 256;
