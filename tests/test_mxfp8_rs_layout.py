@@ -13,7 +13,7 @@ import torch
 
 from prime_kernels.flash_moe import mxfp8
 
-BLOCK_K = 64
+BLOCK_K = 128  # MoeGemmTileRS::kBlockK: two 64-wide K atoms a stage
 
 
 def sw64(rows: np.ndarray) -> np.ndarray:
@@ -29,10 +29,8 @@ def sw64(rows: np.ndarray) -> np.ndarray:
 class Config:
     """A tile of the forward: gate/up (num_b = 2, weight rows gate h and up H + h) or down."""
 
-    def __init__(
-        self, block_m, block_n, num_b, rows_per_expert, second_offset, k_dim, n0, block_k=BLOCK_K
-    ):
-        self.block_m, self.block_n, self.num_b, self.block_k = block_m, block_n, num_b, block_k
+    def __init__(self, block_m, block_n, num_b, rows_per_expert, second_offset, k_dim, n0):
+        self.block_m, self.block_n, self.num_b = block_m, block_n, num_b
         self.rows_per_expert, self.second_offset, self.k_dim, self.n0 = (
             rows_per_expert,
             second_offset,
@@ -41,7 +39,7 @@ class Config:
         )
         self.scale_blocks = block_n // 128 if block_n > 128 else 1
         self.weight_atom_bytes = num_b * block_n * 64  # one 64-wide K atom's tiles
-        self.weight_bytes = num_b * block_n * block_k
+        self.weight_bytes = num_b * block_n * BLOCK_K
         # RegisterAConsumers
         self.interleaved = num_b == 2 and block_n == 64
         self.mma_per_tile = 1 if self.interleaved else block_n // 128
@@ -82,8 +80,8 @@ def stage_bytes(cfg: Config, weights, packed_scales, expert, kb):
     num_b tiles, then scale blocks)."""
     value_row = expert * cfg.rows_per_expert + cfg.n0
     out = []
-    for atom in range(cfg.block_k // 64):
-        col = kb * cfg.block_k + 64 * atom
+    for atom in range(BLOCK_K // 64):
+        col = kb * BLOCK_K + 64 * atom
         for b in range(cfg.num_b):
             first = value_row + b * cfg.second_offset
             box = np.full((cfg.block_n, 64), -1, dtype=np.int64)
@@ -97,7 +95,7 @@ def stage_bytes(cfg: Config, weights, packed_scales, expert, kb):
         row_tile = (cfg.n0 + b * cfg.second_offset) // 128
         for j in range(cfg.scale_blocks):
             t = min(row_tile + j, row_tiles - 1)
-            at = (t * col_tiles + kb * cfg.block_k // 128) * 512
+            at = (t * col_tiles + kb * BLOCK_K // 128) * 512
             blocks.append(scales[at : at + 512])
     return np.concatenate(out + blocks)
 
@@ -124,33 +122,30 @@ def consumer_fragments(cfg: Config, smem, c, kb):
                         + (r % 32) * 16
                         + (r % 128) // 32 * 4
                     )
-                # the 2-byte (block_k 64: columns 2 (kb % 2), + 1) or 4-byte scale reads
-                first_block = 2 * (kb & 1) if cfg.block_k == 64 else 0
-                for kk in range(cfg.block_k // 16):
+                # the 4-byte scale reads: the stage's four columns
+                for kk in range(BLOCK_K // 16):
                     chunk = (kk // 4) * cfg.weight_atom_bytes + 16 * ((kk % 4) ^ swizzle)
                     r0 = value_at[0] + chunk
                     r1 = value_at[1] + chunk
                     a = [smem[r0 : r0 + 2], smem[r1 : r1 + 2], smem[r0 + 8 : r0 + 10]]
                     a.append(smem[r1 + 8 : r1 + 10])
-                    s0 = smem[scale_at[0] + first_block + kk // 2]
-                    s1 = smem[scale_at[1] + first_block + kk // 2]
+                    s0 = smem[scale_at[0] + kk // 2]
+                    s1 = smem[scale_at[1] + kk // 2]
                     result[(mh, kk, warp, lane)] = (a, s0, s1)
     return result
 
 
 CONFIGS = [
-    # (block_m, block_n, num_b, rows_per_expert, second_offset, k_dim, n0, block_k): H = D = 384
-    (128, 128, 2, 768, 384, 256, 256, 128),  # gate/up 128 x (128 + 128): rows split
-    (128, 64, 2, 768, 384, 256, 64, 128),  # gate/up block_n 64 (interleaved): upper scale half
-    (64, 64, 2, 768, 384, 256, 128, 128),
-    (128, 64, 2, 768, 384, 256, 64, 64),  # MoeGemmTileRS's 64-wide K steps
-    (128, 256, 1, 384, 0, 384, 256, 128),  # down: the last n tile, half past D
-    (64, 128, 1, 384, 0, 384, 128, 128),
-    (64, 128, 1, 384, 0, 384, 128, 64),
+    # (block_m, block_n, num_b, rows_per_expert, second_offset, k_dim, n0): H = D = 384
+    (128, 128, 2, 768, 384, 256, 256),  # gate/up 128 x (128 + 128): rows split
+    (128, 64, 2, 768, 384, 256, 64),  # gate/up block_n 64 (interleaved): upper scale half
+    (64, 64, 2, 768, 384, 256, 128),
+    (128, 256, 1, 384, 0, 384, 256),  # down: the last n tile, half past D
+    (64, 128, 1, 384, 0, 384, 128),
 ]
 
 
-@pytest.mark.parametrize("params", CONFIGS, ids=lambda p: "x".join(map(str, p[:3])) + f"-k{p[7]}")
+@pytest.mark.parametrize("params", CONFIGS, ids=lambda p: "x".join(map(str, p[:3])))
 def test_fragments_address_their_weights_and_scales(params):
     cfg = Config(*params)
     experts = 2
@@ -159,7 +154,7 @@ def test_fragments_address_their_weights_and_scales(params):
     scale_ids = torch.arange(rows * (k // 32), dtype=torch.int64).reshape(experts, -1, k // 32)
     packed = mxfp8.pack_scales_blocked(scale_ids).reshape(experts, -1).numpy()
     expert = 1
-    for kb in range(k // cfg.block_k):
+    for kb in range(k // BLOCK_K):
         smem = stage_bytes(cfg, weights, packed, expert, kb)
         for c in range(2):
             frags = consumer_fragments(cfg, smem, c, kb)
@@ -173,11 +168,11 @@ def test_fragments_address_their_weights_and_scales(params):
                     row = tile * cfg.second_offset + out_col  # the expert's weight row
                     if out_col >= cfg.rows_per_expert // (2 if cfg.num_b == 2 else 1):
                         continue  # past the GEMM's N: output columns the epilogue drops
-                    k0 = kb * cfg.block_k + 16 * kk + 2 * q + 8 * (reg // 2)
+                    k0 = kb * BLOCK_K + 16 * kk + 2 * q + 8 * (reg // 2)
                     want = weights[expert * cfg.rows_per_expert + row, k0 : k0 + 2]
                     assert list(a[reg]) == list(want), (params, c, mh, kk, warp, lane, reg)
                     if reg < 2:  # the row's scale: s0 for r0, s1 for r1
-                        block = (kb * cfg.block_k + 16 * kk) // 32
+                        block = (kb * BLOCK_K + 16 * kk) // 32
                         s = s0 if reg == 0 else s1
                         assert s == scale_ids[expert, row, block].item(), (params, c, mh, kk, lane)
 

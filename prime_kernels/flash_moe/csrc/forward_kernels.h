@@ -168,17 +168,13 @@ struct ForwardKernels {
 // so both GEMMs' stages are about the same size. The 64 x 64 tiles (32 accumulators a thread)
 // run two CTAs an SM (tile_block_m says why).
 //
-// Stages are 128 wide in K (MoeGemmTileRS says why): 1.03-1.04x the 64-wide ones at T = 64 and
-// 1.02x at T = 1024 (H100, Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B). The two-CTA 64 x 64
-// tiles keep only 3 such stages, and are where the T = 64 gain is: on 64-wide stages they
-// measured as before.
+// Stages are 128 wide in K (MoeGemmTileRS says why).
 template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kDownPingPong = false;
   static constexpr bool kGateUpPingPong = false;
-  static constexpr int kBlockK = 128;
-  using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2, kBlockK>;
-  using DownTile = MoeGemmTileRS<kBlockM, 2 * kBlockN, 1, kBlockK>;
+  using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2>;
+  using DownTile = MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>;
   static constexpr int kCtasPerSm = kBlockM == 64 && kBlockN == 64 ? 2 : 1;
   template <class Epilogue>
   using DownGemm = MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, Mxfp8WeightTilesRS<DownTile>,

@@ -134,7 +134,6 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
   // registers are spent.
   static constexpr int kRound = kMmaM == 1 ? 2 : 1;
   static constexpr int kRounds = kSteps / kRound;
-  static constexpr int kBlocks = Tile::kBlockK / 32;  // MX blocks (scale columns) a stage
   static_assert(kRounds % 2 == 0, "a slice's rounds alternate the two fragment buffers");
   static_assert(kRound * Mma::kK <= 32, "a round's steps share one 32-block's scales");
 
@@ -226,20 +225,15 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
             (kk / 4) * (Tile::kAAtomBytes >> 4) + ALayout::kDescPerK16 * (kk % 4);
         return uint64_t(desc_hi) << 32 | uint32_t(desc_lo + offset);
       };
-      // The slice's 32-blocks' scales of rows r0 and r1 (one 2- or 4-byte read each, a byte a
+      // The slice's four 32-blocks' scales of rows r0 and r1 (one 4-byte read each, a byte a
       // block); each round works out its block's bf16x2 multipliers and whether both are
-      // fast-path scales (kept for the whole slice, four blocks' of them spilled at two CTAs an
-      // SM).
+      // fast-path scales (kept for the whole slice, the four blocks' of them spilled at two CTAs
+      // an SM).
       uint32_t scales[kMmaM][2];
 #pragma unroll
       for (int mh = 0; mh < kMmaM; ++mh) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          if constexpr (kBlocks == 2)  // the 512-byte block's columns 2 (kb % 2), + 1
-            scales[mh][i] = ld_shared_u16(weights + scale_at[mh][i] + 2 * (kb & 1));
-          else  // all four
-            scales[mh][i] = ld_shared_u32(weights + scale_at[mh][i]);
-        }
+        for (int i = 0; i < 2; ++i) scales[mh][i] = ld_shared_u32(weights + scale_at[mh][i]);
       }
       // A round is kRound k16 steps of one 32-block: their fragments are widened under one
       // branch (mxfp8_fragments) and their wgmmas issued as one commit group.

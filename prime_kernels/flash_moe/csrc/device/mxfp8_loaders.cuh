@@ -16,11 +16,10 @@
 //
 // Scales: expert e's (MN, K/32) scales in the blocked layout (mxfp8.pack_scales_blocked): scale
 // (r, c) at byte ((r / 128) * (K/32 / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 +
-// c % 4 of its MN * K/32 bytes. A 64-wide K step kb uses columns 2 kb and 2 kb + 1, which share
-// column tile kb / 2, a 128-wide one all four of column tile kb: one 512-byte block per 128 weight
-// rows per step. A tile row past MN (the last n tile of
-// the down GEMM when D % kBlockN != 0) reads the expert's last block instead: those weight rows
-// only make output columns the epilogue drops.
+// c % 4 of its MN * K/32 bytes. A 128-wide K step kb uses the four columns of column tile kb: one
+// 512-byte block per 128 weight rows per step. A tile row past MN (the last n tile of the down
+// GEMM when D % kBlockN != 0) reads the expert's last block instead: those weight rows only make
+// output columns the epilogue drops.
 //
 // History (H200, benchmarks/flash_moe.py): the previous loader widened the fp8 to bf16 tiles in
 // shared memory for the bf16 mainloop. It was exact but ran at 0.56-0.67x of bf16's speed
@@ -109,8 +108,7 @@ struct Mxfp8WeightTilesRS : TmaLoader {
     const uint32_t bar = smem_addr(full);
     const int row_tiles = p.b_rows_per_expert / 128;
     const int col_tiles = p.k_dim / 128;  // (K/32) / 4 scale column tiles
-    // The scale column tile of this stage's K: a 512-byte block holds 128 columns' scales.
-    const int col_tile = kb * Tile::kBlockK / 128;
+    static_assert(Tile::kBlockK == 128, "a stage's scales are one 512-byte block's columns");
 #pragma unroll
     for (int b = 0; b < Tile::kNumB; ++b) {
 #pragma unroll
@@ -122,7 +120,7 @@ struct Mxfp8WeightTilesRS : TmaLoader {
       for (int j = 0; j < Tile::kScaleBlocks; ++j) {
         const int t = min(row_tile + j, row_tiles - 1);
         bulk_copy_g2s(dst + Tile::kWeightBytes + (b * Tile::kScaleBlocks + j) * 512,
-                      scales + (size_t(t) * col_tiles + col_tile) * 512, 512, bar);
+                      scales + (size_t(t) * col_tiles + kb) * 512, 512, bar);
       }
     }
   }

@@ -115,23 +115,26 @@ struct PingPongConsumers {
 // its B (N = tokens), so the accumulators hold out^T. A stage holds the token rows as
 // MoeGemmTile's A (bf16, K-major, 128-byte swizzle: kABytes) and, in its B buffer, the raw e4m3
 // weight tiles (kNumB tiles of kBlockN rows x 64 bytes, 64-byte swizzle, by TMA) followed by the
-// 512-byte blocks of the blocked scale layout that hold the step's two scale columns: per tile,
+// 512-byte blocks of the blocked scale layout that hold the step's four scale columns: per tile,
 // one per 128 rows (kBlockN <= 128: the one its rows lie in). Half the weight bytes of a bf16
 // stage, so deeper rings fit. kEpilogueBytes: the transposed MXFP8 epilogue's exchange of
 // per-32-row exponents between the two warps of a 32-row block (mxfp8_epilogues.cuh), 512
 // bytes a consumer warpgroup.
 //
 // kBlockK = 128: a stage holds two 64-wide K atoms of each (tokens: two kBlockM x 128-byte
-// swizzle tiles; weights: two sets of kNumB 64-byte-swizzled tiles), and its scale blocks' four
+// swizzle tiles; weights: two sets of kNumB 64-byte-swizzled tiles), and a scale block's four
 // columns are all the stage's: half the per-stage work of the consumers' loop (the ring wait, the
-// proxy fences, the release, the scale reads and the descriptors) per weight byte, where that
-// work was about a quarter of a decode tile's instructions (docs/flash_moe_mxfp8_design.md).
-template <int kBlockM_, int kBlockN_, int kNumB_, int kBlockK_>
+// proxy fences, the release, the scale reads and the descriptors) per weight byte of 64-wide
+// stages, where that work was about a quarter of a decode tile's instructions: 1.03-1.04x at
+// T = 64 and 1.02x at T = 1024 (H100, Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B). The two-CTA
+// 64 x 64 tiles keep only 3 such stages and are where the T = 64 gain is: on 64-wide stages they
+// measured as before (docs/flash_moe_mxfp8_design.md, benchmarks/RESULTS.md twentieth session).
+template <int kBlockM_, int kBlockN_, int kNumB_>
 struct MoeGemmTileRS {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNumB = kNumB_;
-  static constexpr int kBlockK = kBlockK_;
+  static constexpr int kBlockK = 128;
   static constexpr int kKAtoms = kBlockK / 64;  // 128-byte rows of bf16 tokens, 64 of e4m3
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kAAtomBytes = kBlockM * 128;
@@ -146,7 +149,6 @@ struct MoeGemmTileRS {
   static_assert(kBlockM == 64 || kBlockM == 128, "a block's tokens are at most one wgmma N");
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "whole 64-row wgmma M");
   static_assert(kBlockN <= 128 || kBlockN % 128 == 0, "whole 128-row scale tiles");
-  static_assert(kBlockK == 64 || kBlockK == 128, "a scale block's 128 columns hold whole stages");
   static_assert(kWeightAtomBytes % 1024 == 0, "each atom keeps the 64B swizzle's alignment");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
                 "stage buffers keep the 1024-byte alignment of the 128B swizzle atom");
