@@ -1,5 +1,5 @@
 """The register-A MXFP8 forward's index math (tile.cuh RegisterAConsumers, mxfp8_loaders.cuh
-Mxfp8WeightTilesRS, mma.cuh WarpgroupMainloopRS, epilogues.cuh transposed_pair), modelled on the
+Mxfp8WeightTiles, mma.cuh WarpgroupMainloopRS, epilogues.cuh transposed_pair), modelled on the
 CPU: element ids instead of values, so a wrong address shows as a wrong id. Independent
 definitions on the other side: TMA's 64-byte swizzle (address bits 7-8 into bits 4-5), mxfp8.py's
 pack_scales_blocked, the wgmma A-fragment and accumulator layouts of the PTX ISA. Runs without a
@@ -76,7 +76,7 @@ class Config:
 
 
 def stage_bytes(cfg: Config, weights, packed_scales, expert, kb):
-    """Mxfp8WeightTilesRS::load: the stage's B buffer as ids (weights, per 64-wide K atom the
+    """Mxfp8WeightTiles::load: the stage's B buffer as ids (weights, per 64-wide K atom the
     num_b tiles, then scale blocks)."""
     value_row = expert * cfg.rows_per_expert + cfg.n0
     out = []

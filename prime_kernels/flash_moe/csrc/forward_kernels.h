@@ -3,7 +3,7 @@
 // policy says what differs: the B loader that fills a stage's weight tiles, the tensor map
 // it reads the weights through, and the gate/up epilogue (how h is stored for the down GEMM).
 //   Bf16Weights   TmaWeightTiles (bf16 by TMA), SwiGluToH: h rounded to bf16;
-//   Mxfp8Weights  Mxfp8WeightTilesRS (raw e4m3 plus blocked scales into the stage, widened to
+//   Mxfp8Weights  Mxfp8WeightTiles (raw e4m3 plus blocked scales into the stage, widened to
 //                 bf16 in the consumers' registers and fed as wgmma's register A operand: the
 //                 GEMMs compute out^T = w x^T, RegisterAConsumers), SwiGluToMxfp8: h
 //                 re-quantized to MXFP8, stored dequantized (the epilogues' transposed forms);
@@ -69,7 +69,7 @@ struct Bf16Weights {
 struct Mxfp8Weights {
   static constexpr const char* kName = "fused_moe_mxfp8";
   static constexpr bool kRegisterA = true;
-  using GateUpEpilogue = SwiGluToMxfp8;
+  using GateUpEpilogue = SwiGluToMxfp8<>;
   using GateUpKeepZEpilogue = void;  // no training forward keeps z from MXFP8 inputs
   static constexpr bool kKeepsZ = false;
   static cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t cols,
@@ -83,7 +83,7 @@ struct Mxfp8Weights {
 // re-quantized to MXFP8 (SwiGluToMxfp8 in the bf16 accumulators' layout).
 struct Mxfp8WidenedWeights : Bf16Weights {
   static constexpr const char* kName = "fused_moe_mxfp8";
-  using GateUpEpilogue = SwiGluToMxfp8;
+  using GateUpEpilogue = SwiGluToMxfp8<>;
   using GateUpKeepZEpilogue = void;  // no training forward keeps z from MXFP8 inputs
   static constexpr bool kKeepsZ = false;
 };
@@ -150,6 +150,17 @@ struct ForwardKernels {
   using DownAtomic = DownGemm<WeightedAtomicAdd>;
   static_assert(DownStore::smem_bytes(3) == DownAtomic::smem_bytes(3));
 
+  // h between the GEMMs is bf16 (K-major 128-byte swizzle rows for the down GEMM's TMA), and the
+  // down GEMM reads w2 through the weights policy's map.
+  static constexpr bool kE4m3Down = false;
+  static cudaError_t h_map(CUtensorMap* map, const void* h, uint64_t rows, uint64_t hidden) {
+    return prime_kernels::make_tma_2d_bf16_sw128(map, h, rows, hidden, kTmaRowsBoxRows);
+  }
+  static cudaError_t down_weight_map(CUtensorMap* map, const void* w2, uint64_t rows,
+                                     uint64_t hidden) {
+    return Weights::weight_map(map, w2, rows, hidden, DownTile::kBlockN);
+  }
+
   // The down GEMM's ring takes the shared memory of the gate/up ring's `stages` (at block_n 96
   // both stages are 40 KB, 5 of them; at 128 the cooperative gate/up tile's 48 KB stages give
   // the 40 KB down stages 4, where 5 would fit), as far as the device holds.
@@ -168,19 +179,33 @@ struct ForwardKernels {
 // so both GEMMs' stages are about the same size. The 64 x 64 tiles (32 accumulators a thread)
 // run two CTAs an SM (tile_block_m says why).
 //
+// At block_n = 64 (decode sizes up to kRegisterANarrowRowsPerExpert rows an expert) the gate/up
+// epilogue stores h as MXFP8 (e4m3 bytes and fp32 block scales) and the down GEMM multiplies it by
+// the e4m3 w2 with fp8 wgmma, each 32-wide MX block's sum scaled into the fp32 accumulators
+// (MoeGemmTileE4m3, WarpgroupMainloopE4m3): no instruction widens a w2 byte, where the register-A
+// down loop spent most of its instructions on that at N = 16 to 64 tokens. Its numerics: mma.cuh.
+// At block_n = 128 (256 rows an expert: N = 128 tokens, where the promotion costs more than the
+// widening) the down GEMM stays register-A on a bf16 h.
+//
 // Stages are 128 wide in K (MoeGemmTileRS says why).
 template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kDownPingPong = false;
   static constexpr bool kGateUpPingPong = false;
+  static constexpr bool kE4m3Down = kBlockN == 64;
   using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2>;
-  using DownTile = MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>;
+  using DownTile = std::conditional_t<kE4m3Down, MoeGemmTileE4m3<kBlockM, 2 * kBlockN>,
+                                      MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>>;
   static constexpr int kCtasPerSm = kBlockM == 64 && kBlockN == 64 ? 2 : 1;
   template <class Epilogue>
-  using DownGemm = MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, Mxfp8WeightTilesRS<DownTile>,
-                           MoeTileScheduler, RegisterAConsumers, 1, kDownBBeforeWait, kCtasPerSm>;
-  using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, typename Weights::GateUpEpilogue,
-                         Mxfp8WeightTilesRS<GateUpTile>, MoeTileScheduler, RegisterAConsumers, 1,
+  using DownGemm = std::conditional_t<
+      kE4m3Down,
+      MoeGemm<DownTile, E4m3TokenRows<DownTile>, Epilogue, Mxfp8WeightTiles<DownTile>,
+              MoeTileScheduler, E4m3Consumers, 1, kDownBBeforeWait, kCtasPerSm>,
+      MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, Mxfp8WeightTiles<DownTile>, MoeTileScheduler,
+              RegisterAConsumers, 1, kDownBBeforeWait, kCtasPerSm>>;
+  using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToMxfp8<kE4m3Down>,
+                         Mxfp8WeightTiles<GateUpTile>, MoeTileScheduler, RegisterAConsumers, 1,
                          false, kCtasPerSm>;
   using GateUpKeepZ = void;  // kKeepsZ is false
   using DownStore = DownGemm<StoreRows>;
@@ -189,6 +214,20 @@ struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static int down_stages(int stages, int device, int max_stages) {
     const int same_bytes = int(stages * GateUpTile::kStageBytes / DownTile::kStageBytes);
     return std::min(same_bytes, ring_stages<DownStore>(device, max_stages));
+  }
+  // h's e4m3 rows: 128-byte boxes with the 128-byte swizzle, as fp8 wgmma reads them; else bf16.
+  static cudaError_t h_map(CUtensorMap* map, const void* h, uint64_t rows, uint64_t hidden) {
+    if constexpr (kE4m3Down)
+      return prime_kernels::make_tma_2d_u8_sw128(map, h, rows, hidden, kTmaRowsBoxRows);
+    else
+      return prime_kernels::make_tma_2d_bf16_sw128(map, h, rows, hidden, kTmaRowsBoxRows);
+  }
+  static cudaError_t down_weight_map(CUtensorMap* map, const void* w2, uint64_t rows,
+                                     uint64_t hidden) {
+    if constexpr (kE4m3Down)
+      return prime_kernels::make_tma_2d_u8_sw128(map, w2, rows, hidden, DownTile::kBlockN);
+    else
+      return Weights::weight_map(map, w2, rows, hidden, DownTile::kBlockN);
   }
 };
 
@@ -468,7 +507,10 @@ struct Workspace {
   __nv_bfloat16* x_rows;  // (T, D) when x_rows_bytes > 0
   int32_t* pair_to_row;   // (T * k,) split only: the caller's when training keeps it
   __nv_bfloat16* h;       // (max_padded, H)
-  __nv_bfloat16* y;       // (max_padded, D) split only
+  // With an e4m3 h (ForwardKernels::kE4m3Down) h's bytes are (max_padded, H) e4m3, and its block
+  // scales (moe_gemm_params.cuh's layout, 128-row blocks) follow them in the same buffer.
+  float* h_scales;
+  __nv_bfloat16* y;  // (max_padded, D) split only
   size_t bytes;
 };
 
@@ -488,7 +530,11 @@ inline Workspace carve_workspace(const FusedMoeBf16Problem& pr, bool split, size
     off += align256(size_t(pr.num_tokens * pr.top_k) * sizeof(int32_t));
   }
   ws.h = reinterpret_cast<__nv_bfloat16*>(p + off);
-  off += align256(size_t(pr.max_padded * pr.hidden_dim) * sizeof(__nv_bfloat16));
+  const size_t h_e4m3_bytes = align256(size_t(pr.max_padded * pr.hidden_dim));
+  ws.h_scales = reinterpret_cast<float*>(p + off + h_e4m3_bytes);
+  const size_t h_scale_bytes = size_t((pr.max_padded + 127) / 128 * 128) * (pr.hidden_dim / 32) * 4;
+  off += align256(std::max(size_t(pr.max_padded * pr.hidden_dim) * sizeof(__nv_bfloat16),
+                           h_e4m3_bytes + h_scale_bytes));
   if (split) {
     ws.y = reinterpret_cast<__nv_bfloat16*>(p + off);
     off += align256(size_t(pr.max_padded * pr.dim) * sizeof(__nv_bfloat16));
@@ -571,9 +617,6 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
     gate_up.b_second_offset = H;
     gate_up.b_scales = weights.w_scales;
 
-    err = prime_kernels::make_tma_2d_bf16_sw128(&tmap_h, ws.h, uint64_t(pr.max_padded), H,
-                                                kTmaRowsBoxRows);
-    if (err != cudaSuccess) return err;
     MoeGemmParams down = g;
     down.out = c.split ? ws.y : pr.out;
     down.ld_out = D;
@@ -588,6 +631,12 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
       using K = decltype(kernels);
       err = Weights::weight_map(&tmap_w, weights.w, uint64_t(E) * 2 * H, D, K::GateUpTile::kBlockN);
       if (err != cudaSuccess) return;
+      err = K::h_map(&tmap_h, ws.h, uint64_t(pr.max_padded), H);
+      if (err != cudaSuccess) return;
+      if constexpr (K::kE4m3Down) {
+        gate_up.out_scales = ws.h_scales;
+        down.a_scales = ws.h_scales;
+      }
       if constexpr (Weights::kKeepsZ) {
         err = pr.keep_z != nullptr ? launch_gemm<typename K::GateUpKeepZ>(
                                          tmap_w, tmap_w, gate_up, num_sms, stream, dependent)
@@ -597,7 +646,7 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
         err = launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream, dependent);
       }
       if (err != cudaSuccess) return;
-      err = Weights::weight_map(&tmap_w2, weights.w2, uint64_t(E) * D, H, K::DownTile::kBlockN);
+      err = K::down_weight_map(&tmap_w2, weights.w2, uint64_t(E) * D, H);
       if (err != cudaSuccess) return;
       down.stages = K::down_stages(c.stages, pr.device, kMaxStages);
       err = c.split ? launch_gemm<typename K::DownStore>(tmap_h, tmap_w2, down, num_sms, stream,
@@ -640,7 +689,8 @@ std::string describe_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Con
     gate_up =
         tm + "x(" + n + "+" + n + ")" + (K::kGateUpPingPong ? " ping-pong" : " cooperative") + ctas;
     down = tm + "x" + std::to_string(K::DownTile::kBlockN) +
-           (K::kDownPingPong ? " ping-pong" : " cooperative") + ", " +
+           (K::kDownPingPong ? " ping-pong" : " cooperative") +
+           (K::kE4m3Down ? ", e4m3 wgmma on an MXFP8 h" : "") + ", " +
            std::to_string(K::down_stages(c.stages, pr.device, kMaxStages)) + " stages";
   });
   std::string text =

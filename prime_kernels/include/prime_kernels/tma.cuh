@@ -77,6 +77,14 @@ inline cudaError_t make_tma_2d_u8_sw64(CUtensorMap* map, const void* base, uint6
                              CU_TENSOR_MAP_SWIZZLE_64B);
 }
 
+// The same byte matrix with boxes of box_rows x 128 bytes and the 128-byte swizzle: e4m3 operand
+// tiles that fp8 wgmma reads by descriptor (a 128-byte row holds 128 values of K).
+inline cudaError_t make_tma_2d_u8_sw128(CUtensorMap* map, const void* base, uint64_t rows,
+                                        uint64_t cols, uint32_t box_rows) {
+  return detail::make_tma_2d(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, rows, cols, 128, box_rows,
+                             CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
 // Loads the box at (col, row) of `map` into shared memory at dst (1024-byte aligned for
 // the 128-byte swizzle); completion is signalled on `bar` as transaction bytes.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,

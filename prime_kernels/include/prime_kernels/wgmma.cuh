@@ -353,4 +353,103 @@ struct WgmmaBf16RS<128, kTransB> : WgmmaBf16K16 {
   }
 };
 
+// D(64 x N, fp32) (+)= A(64 x 32, e4m3, smem) * B(N x 32, e4m3, smem)^T: one wgmma per 32 K,
+// both operands K-major with the 128-byte swizzle (a 128-byte row holds 128 e4m3 values; a
+// 32-wide K step adds 32 bytes, 2 in the descriptor's address field). fp8 wgmma takes no
+// transpose flags. The tensor core sums the 32 exact products with about 14 significant bits
+// (benchmarks/probes/fp8_wgmma_sums.cu): callers that need more sum fewer products per wgmma or
+// promote each wgmma's result themselves. Accumulators as WgmmaBf16's.
+template <int N>
+struct WgmmaE4m3;
+
+struct WgmmaE4m3K32 {
+  static constexpr int kK = 32;
+  static constexpr uint64_t kDescPerK32 = 32 >> 4;
+};
+
+template <>
+struct WgmmaE4m3<16> : WgmmaE4m3K32 {
+  static constexpr int kAccRegs = 8;
+  template <int kRegs>
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], uint64_t desc_a, uint64_t desc_b,
+                                             int scale_d) {
+    static_assert(kRegs >= kAccRegs, "the temporaries' first kAccRegs registers");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <>
+struct WgmmaE4m3<32> : WgmmaE4m3K32 {
+  static constexpr int kAccRegs = 16;
+  template <int kRegs>
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], uint64_t desc_a, uint64_t desc_b,
+                                             int scale_d) {
+    static_assert(kRegs >= kAccRegs, "the temporaries' first kAccRegs registers");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, "
+        "1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <>
+struct WgmmaE4m3<64> : WgmmaE4m3K32 {
+  static constexpr int kAccRegs = 32;
+  template <int kRegs>
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], uint64_t desc_a, uint64_t desc_b,
+                                             int scale_d) {
+    static_assert(kRegs >= kAccRegs, "the temporaries' first kAccRegs registers");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <>
+struct WgmmaE4m3<128> : WgmmaE4m3K32 {
+  static constexpr int kAccRegs = 64;
+  template <int kRegs>
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], uint64_t desc_a, uint64_t desc_b,
+                                             int scale_d) {
+    static_assert(kRegs >= kAccRegs, "the temporaries' first kAccRegs registers");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, "
+        "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
+        "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+          "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
 }  // namespace prime_kernels

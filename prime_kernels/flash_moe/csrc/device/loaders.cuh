@@ -270,6 +270,35 @@ struct TmaRows : TmaLoader {
   }
 };
 
+// The e4m3 down tile's token rows (MoeGemmTileE4m3): h's e4m3 rows as TmaRows copies them (a
+// 128-byte row a token and K step: the tensor map's boxes are 128 bytes wide), then the stage's
+// four runs of kBlockM block scales (fp32, h_scale_index's layout) by bulk copies behind them.
+template <class Tile>
+struct E4m3TokenRows : TmaRows<Tile> {
+  using Base = TmaRows<Tile>;
+  static constexpr uint32_t kScaleRunBytes = Tile::kBlockM * 4;
+  static constexpr uint32_t kTmaBytes = Tile::kTokenBytes + Tile::kTokenScaleBytes;
+  static_assert(Tile::kKAtoms == 1 && Tile::kTokenScaleBytes == Tile::kMxBlocks * kScaleRunBytes,
+                "one 128-byte row a token, then the stage's scale runs");
+
+  using Base::Base;
+
+  __device__ __forceinline__ uint32_t tile_tma_bytes() const {
+    return Base::tile_tma_bytes() + Tile::kTokenScaleBytes;
+  }
+
+  __device__ __forceinline__ void load(const MoeGemmParams& p, const CUtensorMap* map,
+                                       uint8_t* smem_a, uint64_t* full, int kb) const {
+    using namespace prime_kernels;
+    Base::load(p, map, smem_a, full, kb);
+    const float* src = p.a_scales + h_scale_index(this->row0, Tile::kMxBlocks * kb, p.k_dim);
+#pragma unroll
+    for (int b = 0; b < Tile::kMxBlocks; ++b)
+      bulk_copy_g2s(smem_addr(smem_a) + Tile::kTokenBytes + b * kScaleRunBytes, src + b * 128,
+                    kScaleRunBytes, smem_addr(full));
+  }
+};
+
 // Which side of a K-grouped GEMM a loader fills: its columns start at the tile's first
 // output row (A, the M side) or first output column (B, the N side).
 enum class Side { kA, kB };

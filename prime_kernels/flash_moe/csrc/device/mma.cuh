@@ -314,4 +314,146 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
   }
 };
 
+// The e4m3 consumer loop (E4m3Consumers, MoeGemmTileE4m3): per 32-wide MX block of a stage, one
+// fp8 wgmma (SS: weights as A, token rows as B, both by descriptor) sums the block's exact e4m3
+// products into a temporary (scale-d = 0), and the thread adds it into its fp32 accumulators
+// times the weight row's scale and the token's (powers of two: exact but past fp32's range). So
+// no instruction touches a weight byte, and per block and m64 a thread spends N fp32 operations
+// on the promotion, against the register-A loop's widening of its weight fragment (about 60
+// instructions a block whatever N): fewer at decode sizes (N = 16 to 64).
+//
+// Numerics: the tensor core keeps about 14 significant bits of a block's 32 products
+// (benchmarks/probes/fp8_wgmma_sums.cu); in the down GEMM that leaves the forward 5.7-9.1e-4 from
+// exact MX against the tests' 3e-3 (emulated, docs/flash_moe_mxfp8_design.md), where the gate/up
+// GEMM would flip h's re-quantizations. An e4m3 NaN byte makes its products NaN in the tensor
+// core, and a NaN scale (0xFF weight scale, or the NaN h scale of a block holding NaN or +-Inf)
+// the block's promotion: no flags.
+//
+// The wgmmas of kBatch blocks (as many temporaries as the tile's own accumulators hold) are
+// issued together and waited for together, then promoted: reading one temporary while a wgmma
+// into another is in flight makes ptxas serialize every wgmma (C7514), so the overlap of the
+// promotion with the tensor core comes from the other consumer warps (two CTAs an SM at decode
+// sizes: four a scheduler), as in DeepGEMM's and CUTLASS's fp8 block-scaled mainloops. A stage
+// goes back to the producer once its last block is promoted (the promotion reads its scales).
+template <class Tile, class Consumers, bool kFenceGenericWrites>
+struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites> {
+  using Base = WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites>;
+  using Mma = typename Consumers::Mma;
+  static constexpr int kMmaM = Consumers::kMmaM;
+  static constexpr int kBlocks = Tile::kBlockK / Mma::kK;  // MX blocks a stage
+  using Accumulators = float[kMmaM][Mma::kAccRegs];
+  static constexpr bool kCutsTokens = true;
+  static_assert(Mma::kK == 32, "one wgmma a 32-wide MX block");
+  static_assert(kBlocks == Tile::kMxBlocks, "the stage's token scale runs");
+
+  // As WarpgroupMainloopRS::run (n_tokens: the tokens the wgmmas multiply); returns no NaN rows.
+  template <class Issued>
+  __device__ __forceinline__ static uint32_t run(Accumulators& acc,
+                                                 const prime_kernels::StageRing& ring,
+                                                 prime_kernels::RingState& rs, uint8_t* smem_a,
+                                                 uint8_t* smem_b, int token_offset, int row_offset,
+                                                 int scale_row0, int num_k_blocks, int n_tokens,
+                                                 Issued&& issued) {
+    using prime_kernels::WgmmaE4m3;
+    const auto with_mma = [&](auto mma_n) {
+      run_n<decltype(mma_n)>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0,
+                             num_k_blocks, issued);
+      return 0u;
+    };
+    if (n_tokens <= 16) return with_mma(WgmmaE4m3<16>{});
+    if (n_tokens <= 32) return with_mma(WgmmaE4m3<32>{});
+    if (Mma::kAccRegs > 32 && n_tokens <= 64) return with_mma(WgmmaE4m3<64>{});
+    return with_mma(Mma{});
+  }
+
+  template <class MmaN, class Issued>
+  __device__ __forceinline__ static void run_n(Accumulators& acc,
+                                               const prime_kernels::StageRing& ring,
+                                               prime_kernels::RingState& rs, uint8_t* smem_a,
+                                               uint8_t* smem_b, int token_offset, int row_offset,
+                                               int scale_row0, int num_k_blocks, Issued& issued) {
+    using namespace prime_kernels;
+    constexpr int kRegs = MmaN::kAccRegs;
+    constexpr int kTokenPairs = kRegs / 4;  // the thread's token pairs (8 j + 2 q, + 1)
+    constexpr int kBatch = Mma::kAccRegs / kRegs < kBlocks ? Mma::kAccRegs / kRegs : kBlocks;
+    static_assert(kBatch >= 1 && kBlocks % kBatch == 0, "whole batches of a stage's blocks");
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int g = lane / 4, q = lane % 4;
+    // The thread's weight rows r_i = 16 warp + g + 8 i of each m64 block: their scale bytes (one a
+    // block of the stage) in the stage's scale blocks, as the register-A loop reads them.
+    int scale_at[kMmaM][2];
+#pragma unroll
+    for (int mh = 0; mh < kMmaM; ++mh) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = scale_row0 + row_offset + 64 * mh + 16 * warp + 8 * i + g;
+        scale_at[mh][i] = Tile::kWeightBytes + (r / 128) * 512 + (r % 32) * 16 + (r % 128) / 32 * 4;
+      }
+    }
+    const int token_scale_at = Tile::kTokenBytes + (token_offset + 2 * q) * 4;
+    float tmp[kBatch][kMmaM][kRegs];
+    // acc += tmp x the block's weight row scale x its token scale, for every accumulator of the
+    // thread (register 4 j + 2 i + c: row r_i, token 8 j + 2 q + c).
+    const auto promote = [&](const float(&t)[kMmaM][kRegs], uint32_t stage_a, uint32_t stage_b,
+                             int b) {
+      float2 token_scale[kTokenPairs];
+      const uint32_t run = stage_a + token_scale_at + b * Tile::kBlockM * 4;
+#pragma unroll
+      for (int j = 0; j < kTokenPairs; ++j) token_scale[j] = ld_shared_f32x2(run + 32 * j);
+#pragma unroll
+      for (int mh = 0; mh < kMmaM; ++mh) {
+        const float row_scale[2] = {mxfp8_scale_value(ld_shared_u8(stage_b + scale_at[mh][0] + b)),
+                                    mxfp8_scale_value(ld_shared_u8(stage_b + scale_at[mh][1] + b))};
+#pragma unroll
+        for (int r = 0; r < kRegs; ++r) {
+          const float2 ts = token_scale[r / 4];
+          acc[mh][r] = fmaf(t[mh][r] * row_scale[(r / 2) % 2], r % 2 ? ts.y : ts.x, acc[mh][r]);
+        }
+      }
+    };
+#pragma unroll
+    for (int mh = 0; mh < kMmaM; ++mh) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) acc[mh][r] = 0.0f;
+    }
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ring.consumer_wait(rs);
+      if constexpr (kFenceGenericWrites) fence_proxy_async_shared();
+      uint8_t* stage_a = smem_a + size_t(rs.stage) * Tile::kABytes;
+      uint8_t* stage_b = smem_b + size_t(rs.stage) * Tile::kBBytes;
+      const uint64_t desc_w = SmemKMajor::desc(stage_b + row_offset * 128);
+      const uint64_t desc_t = SmemKMajor::desc(stage_a + token_offset * 128);
+#pragma unroll
+      for (int b0 = 0; b0 < kBlocks; b0 += kBatch) {
+#pragma unroll
+        for (int bb = 0; bb < kBatch; ++bb) {
+#pragma unroll
+          for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(tmp[bb][mh]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int bb = 0; bb < kBatch; ++bb) {
+          const int b = b0 + bb;
+#pragma unroll
+          for (int mh = 0; mh < kMmaM; ++mh)
+            MmaN::mma(tmp[bb][mh], desc_w + (64 * mh * 128 >> 4) + b * MmaN::kDescPerK32,
+                      desc_t + b * MmaN::kDescPerK32, 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int bb = 0; bb < kBatch; ++bb) {
+#pragma unroll
+          for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(tmp[bb][mh]);
+          promote(tmp[bb], smem_addr(stage_a), smem_addr(stage_b), b0 + bb);
+        }
+      }
+      fence_proxy_async_shared();
+      Base::release(ring, rs.stage);
+      rs.advance(ring.stages);
+    }
+    issued();
+  }
+};
+
 }  // namespace prime_moe

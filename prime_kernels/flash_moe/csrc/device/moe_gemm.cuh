@@ -9,8 +9,10 @@
 //   warpgroups 1, 2  consumers: the MMA mainloop over the ring into fp32 registers, then
 //                    the epilogue from registers to global memory. With MXFP8 weights
 //                    (RegisterAConsumers, tile.cuh) they widen the weights in registers and
-//                    feed them as wgmma's register A operand: the accumulators hold out^T,
-//                    and the epilogues' store_transposed writes them.
+//                    feed them as wgmma's register A operand, or (E4m3Consumers: MXFP8 h too)
+//                    multiply both e4m3 operands by fp8 wgmma and scale each MX block's sum:
+//                    either way the accumulators hold out^T, and the epilogues'
+//                    store_transposed writes them.
 // The consumers either share each tile (CooperativeConsumers) or own alternate tiles and
 // take turns at the tensor cores (PingPongConsumers: one's epilogue under the other's
 // mainloop), tile.cuh. Tiles come from the scheduler: M-grouped over moe_align's expert blocks (the
@@ -83,12 +85,13 @@ struct MoeGemm {
   static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr bool kFenceGenericWrites =
       ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites;
-  // Register-A consumers (MXFP8 weights widened in registers) run their own K loop over the
-  // same ring (mma.cuh).
-  using Mainloop =
+  // Register-A consumers (MXFP8 weights widened in registers) and e4m3 ones (fp8 wgmma, each
+  // MX block promoted) run their own K loops over the same ring (mma.cuh).
+  using Mainloop = std::conditional_t<
+      Consumers::kE4m3, WarpgroupMainloopE4m3<Tile, Consumers, kFenceGenericWrites>,
       std::conditional_t<Consumers::kRegisterA,
                          WarpgroupMainloopRS<Tile, Consumers, kFenceGenericWrites>,
-                         WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites, kClusterM>>;
+                         WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites, kClusterM>>>;
 
   static constexpr int kThreads = 128 * (1 + Consumers::kWarpgroups);
   static constexpr int kProducerThreads =
@@ -120,9 +123,9 @@ struct MoeGemm {
   static_assert(kCtasPerSm == 1 || kCtasPerSm == 2, "one or two CTAs an SM");
   static_assert(kCtasPerSm == 2 || kConsumerRegs >= 224,
                 "the consumers keep their accumulators in registers");
-  static_assert(kCtasPerSm == 1 || (Consumers::kRegisterA && Consumers::kMmaM == 1 &&
+  static_assert(kCtasPerSm == 1 || (Consumers::kTokensAlongN && Consumers::kMmaM == 1 &&
                                     Consumers::Mma::kAccRegs <= 32 && kClusterM == 1),
-                "two CTAs an SM leave a consumer 104 registers: 32 register-A accumulators");
+                "two CTAs an SM leave a consumer 104 registers: 32 out^T accumulators");
   static_assert(Consumers::kMmaM * Consumers::kNumMma * Consumers::Mma::kAccRegs <= 128 ||
                     kConsumerRegs >= 232,
                 "past 128 accumulators a thread the consumers need 232 registers or more (a "
@@ -137,7 +140,8 @@ struct MoeGemm {
                 "padding rows are rows of M-grouped tiles");
 
   static_assert(kClusterM == 1 || kClusterM == 2, "clusters of one or two CTAs along M");
-  static_assert(!Consumers::kRegisterA || kClusterM == 1, "the register-A loop has no clusters");
+  static_assert(!Consumers::kTokensAlongN || kClusterM == 1,
+                "the register-A and e4m3 loops have no clusters");
   static_assert(!kBBeforeWait || (ALoad::kThreads == 1 && BLoad::kThreads == 1 && kClusterM == 1),
                 "copies before the wait are issued by the one TMA thread of a single CTA");
   static_assert(splits_b<BLoad>(kClusterM),
@@ -349,8 +353,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
     const int consumer = warpgroup - 1;
     const int m_offset = Consumers::m_offset(consumer);
     const int n_offset = Consumers::n_offset(consumer);
-    // Rows of the tile this warpgroup holds: its tokens are wgmma's N with register-A consumers.
-    constexpr int kRows = Consumers::kRegisterA ? Consumers::kMmaN : 64 * Consumers::kMmaM;
+    // Rows of the tile this warpgroup holds: its tokens are wgmma's N with out^T consumers.
+    constexpr int kRows = Consumers::kTokensAlongN ? Consumers::kMmaN : 64 * Consumers::kMmaM;
     ConsumerTurns turns{turn_barriers};
     typename Mainloop::Accumulators acc;
     int seq = 0;  // the tile's place among the CTA's tiles (a cluster's missing ones too)
@@ -402,10 +406,10 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
       const auto pass_turn = [&] {
         if constexpr (Consumers::kPingPong) turns.pass_turn(consumer);
       };
-      if constexpr (Consumers::kRegisterA) {
+      if constexpr (Consumers::kTokensAlongN) {
         // The accumulators are out^T: token rows row0 .. + kMmaN, output columns from col0; only
         // the first n_tokens are computed and stored.
-        static_assert(Scheduler::kMGrouped, "register-A tiles are M-grouped");
+        static_assert(Scheduler::kMGrouped, "register-A and e4m3 tiles are M-grouped");
         const int n_tokens = !Mainloop::kCutsTokens ? kRows
                              : has_work ? tile_tokens<kRows>(routed, tid % kRows, 1 + consumer)
                                         : 0;

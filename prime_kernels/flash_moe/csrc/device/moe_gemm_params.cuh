@@ -31,9 +31,16 @@ struct MoeGemmParams {
   // Rows per expert_ids entry (moe_align's block_m) where the tiles are shorter (64-row tiles
   // of 128-row blocks: MoeTileScheduler); 0: the tile's block_m.
   int expert_block_rows;
-  // MXFP8 weights (Mxfp8WeightTilesRS): each expert's e8m0 scales of its (b_rows_per_expert,
+  // MXFP8 weights (Mxfp8WeightTiles): each expert's e8m0 scales of its (b_rows_per_expert,
   // k_dim / 32) in the blocked layout of pack_scales_blocked.
   const uint8_t* b_scales;
+  // h as MXFP8 between the register-A forward's GEMMs at block_n = 64 (SwiGluToMxfp8<true>,
+  // E4m3TokenRows): the gate/up GEMM's out holds h's e4m3 bytes and out_scales its block scales
+  // 2^(s - 127) as fp32 (NaN for a block of NaN or +-Inf), which the down GEMM reads back through
+  // a_scales; for each 128-row block and 128-wide K step a [4 blocks][128 rows] group, so that a
+  // stage's scales are four contiguous runs (h_scale_index).
+  float* out_scales;
+  const float* a_scales;
 
   // Training. z: the gate/up pre-activations [g | u] per padded row (max_padded, 2H),
   // written by the training forward and read by dh's epilogue, which also writes
@@ -48,6 +55,12 @@ struct MoeGemmParams {
   // end).
   const int32_t* segments;
 };
+
+// Where h's block scale (row, block) lives in out_scales / a_scales (k_dim: H).
+__device__ __forceinline__ size_t h_scale_index(int row, int block, int k_dim) {
+  return (size_t(row / 128) * size_t(k_dim / 128) + size_t(block / 4)) * 512 + (block % 4) * 128 +
+         row % 128;
+}
 
 // Rows routed to a pair: row < npp and 0 <= id < T*k; anything else (padding, garbage)
 // loads zeros and is neither scattered nor added.

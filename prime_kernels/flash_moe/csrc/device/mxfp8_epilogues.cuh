@@ -1,5 +1,8 @@
 // The MXFP8 forward's gate/up epilogue: SwiGLU, then h re-quantized to MXFP8 along H from its
-// fp32 values, stored dequantized (exactly) as bf16 so the down GEMM reads h by TMA as in bf16.
+// fp32 values, stored dequantized (exactly) as bf16 so the down GEMM reads h by TMA as in bf16;
+// or (kE4m3Out: the register-A forward at block_n = 64, whose down GEMM multiplies e4m3 by e4m3,
+// MoeGemmTileE4m3) stored as MXFP8 itself: the e4m3 bytes, and each block's scale as the fp32
+// 2^(s - 127) (NaN for a NaN or +-Inf block) in out_scales (moe_gemm_params.cuh's layout).
 //
 //   SwiGluToMxfp8  h = silu(g) * u in fp32; per 32 consecutive columns of a row (one block of
 //                  mxfp8.py, rounding "floor"): s = biased exponent of the block's amax - 8,
@@ -30,6 +33,7 @@
 
 namespace prime_moe {
 
+template <bool kE4m3Out = false>
 struct SwiGluToMxfp8 {
   static constexpr int kNumB = 2;  // gate tile, up tile
   static constexpr bool kWritesPaddingRows = false;
@@ -43,12 +47,18 @@ struct SwiGluToMxfp8 {
         : bad(exp == 0xFF),
           inv_scale(mxfp8_pow2(127 - max(int(exp) - 8, 0))),  // exp <= 254: s <= 246
           scale(mxfp8_pow2(max(int(exp) - 8, 0) - 127)) {}
-    __device__ __forceinline__ uint32_t pair(float h0, float h1) const {
+    // The two e4m3 bytes (h0's the low one): what a bad block holds does not matter, its scale
+    // is NaN.
+    __device__ __forceinline__ uint32_t e4m3_pair(float h0, float h1) const {
       const float v0 = fminf(fmaxf(__fmul_rn(h0, inv_scale), -448.f), 448.f);
       const float v1 = fminf(fmaxf(__fmul_rn(h1, inv_scale), -448.f), 448.f);
-      const __nv_fp8x2_storage_t two =
-          __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
-      return bad ? 0x7FC07FC0u : mxfp8_pair_to_bf16x2(two, scale);
+      return __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+    }
+    __device__ __forceinline__ float scale_value() const {
+      return bad ? __int_as_float(0x7FC00000) : scale;
+    }
+    __device__ __forceinline__ uint32_t pair(float h0, float h1) const {
+      return bad ? 0x7FC07FC0u : mxfp8_pair_to_bf16x2(e4m3_pair(h0, h1), scale);
     }
   };
 
@@ -72,6 +82,7 @@ struct SwiGluToMxfp8 {
                                                const float (&acc)[kMmas][kRegs], bool /*acc_valid*/,
                                                const MoeWorkTile& /*w*/, int row0, int col0) {
     using namespace prime_kernels;
+    static_assert(!kE4m3Out, "an e4m3 h is the register-A forward's (store_transposed)");
     constexpr int kHalf = kMmas * kRegs / 2;  // flat offset of the up columns
     static_assert(kHalf * 2 % 32 == 0, "whole 32-column groups per warpgroup");
     // 32-column groups (MXFP8 blocks) of the gate half
@@ -119,6 +130,8 @@ struct SwiGluToMxfp8 {
     using namespace prime_kernels;
     static_assert(kMmas == 1 || kMmas == 2, "interleaved gate/up rows, or a gate and an up block");
     constexpr bool kInterleaved = kMmas == 1;
+    // An e4m3 h at block_n = 64 only: a warpgroup's 32 columns are then one MX block.
+    static_assert(!kE4m3Out || kInterleaved, "an e4m3 h comes from the interleaved tile");
     constexpr int kHalves = kInterleaved ? 1 : 2;    // row halves of h a thread holds
     constexpr int kSteps = kRegs / 4;                // token steps j (8 tokens each)
     constexpr int kGroup = kSteps < 4 ? kSteps : 4;  // steps per exchange: a word of exponents
@@ -175,13 +188,24 @@ struct SwiGluToMxfp8 {
         const int j = j0 + s;
         if (8 * j >= n_tokens) break;  // tokens the mainloop did not multiply: not stored
         const BlockScale block((e >> (8 * s)) & 0xFF);
-        __nv_bfloat16* dst = p.out + size_t(row0 + transposed_token(j)) * p.ld_out;
+        const int row = row0 + transposed_token(j);
+        if constexpr (kE4m3Out) {
+          // Lanes 0-7 of warp 0 hold the step's 8 tokens at the block's first columns.
+          const int col = col0 + 8 * warp + ((lane / 4) & ~1);
+          if (col >= p.n_dim) continue;
+          uint8_t* dst = reinterpret_cast<uint8_t*>(p.out) + size_t(row) * p.ld_out;
+          *reinterpret_cast<uint16_t*>(dst + col) = uint16_t(block.e4m3_pair(h[s][0].x, h[s][0].y));
+          if (warp == 0 && lane < 8)
+            p.out_scales[h_scale_index(row, col0 / 32, p.n_dim)] = block.scale_value();
+        } else {
+          __nv_bfloat16* dst = p.out + size_t(row) * p.ld_out;
 #pragma unroll
-        for (int i = 0; i < kHalves; ++i) {
-          const int col =
-              col0 + (kInterleaved ? 8 * warp + ((lane / 4) & ~1) : transposed_column(i));
-          if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
-          *reinterpret_cast<uint32_t*>(dst + col) = block.pair(h[s][i].x, h[s][i].y);
+          for (int i = 0; i < kHalves; ++i) {
+            const int col =
+                col0 + (kInterleaved ? 8 * warp + ((lane / 4) & ~1) : transposed_column(i));
+            if (col >= p.n_dim) continue;  // partial last n tile (H % block_n != 0)
+            *reinterpret_cast<uint32_t*>(dst + col) = block.pair(h[s][i].x, h[s][i].y);
+          }
         }
       }
     }

@@ -62,6 +62,20 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
   return v;
 }
 
+// The same, one byte.
+__device__ __forceinline__ uint32_t ld_shared_u8(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u8 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// The same, two floats (an 8-byte aligned address).
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 // Row r0's two bytes (lo16_r0: column c in the low byte, c + 1 in the high) and row r1's as one
 // word: bytes {r0[c], r1[c], r0[c + 1], r1[c + 1]} (even bytes r0, odd bytes r1).
 __device__ __forceinline__ uint32_t mxfp8_fragment_word(uint32_t lo16_r0, uint32_t lo16_r1) {

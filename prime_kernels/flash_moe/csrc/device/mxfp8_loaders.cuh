@@ -1,4 +1,4 @@
-// The MXFP8 weight loader of the fused MoE GEMMs (Mxfp8WeightTilesRS) and the exact e4m3 x e8m0
+// The MXFP8 weight loader of the fused MoE GEMMs (Mxfp8WeightTiles) and the exact e4m3 x e8m0
 // -> bf16 conversions that the consumers' register widening (mxfp8_fragment.cuh), the epilogues
 // and the x pre-pass (mxfp8_dequantize.cuh) share.
 //
@@ -74,17 +74,19 @@ __device__ __forceinline__ void mxfp8_widen16(uint4 v, float scale, uint4* dst) 
   dst[1] = mxfp8_widen8(make_uint2(v.z, v.w), scale);
 }
 
-// The weight loader of the register-A GEMMs (MoeGemmTileRS, RegisterAConsumers): thread 0 copies
-// the step's raw e4m3 weight tiles by TMA (64-byte swizzle: the consumers' 2-byte fragment reads
-// of 8 rows hit 8 distinct bank groups, mxfp8_fragment.cuh; a 128-wide K step is two such tiles
-// each, MoeGemmTileRS) and the step's scale blocks (bulk copies) straight into the stage; the
-// consumers widen them in registers. No producer threads
+// The weight loader of the MXFP8 GEMMs' tiles: thread 0 copies the step's raw e4m3 weight tiles
+// by TMA and the step's scale blocks (bulk copies) straight into the stage. For the register-A
+// tiles (MoeGemmTileRS, RegisterAConsumers) the tiles are 64 bytes wide with the 64-byte swizzle
+// (the consumers' 2-byte fragment reads of 8 rows hit 8 distinct bank groups,
+// mxfp8_fragment.cuh; a 128-wide K step is two such tiles each) and the consumers widen them in
+// registers; for the e4m3 tile (MoeGemmTileE4m3) one 128-byte row a weight row with the 128-byte
+// swizzle, which fp8 wgmma reads by descriptor. No producer threads
 // besides thread 0: the ring itself is the fp8 in flight (65 KB stages of 128 K at 128 tokens x
 // 256 weight rows, 3 of them). Tile b of expert e starts at row e * b_rows_per_expert +
 // n0 + b * b_second_offset of the (E * b_rows_per_expert, K) e4m3 view; a tile row past the
 // expert's rows reads the last scale block (its output columns are dropped).
 template <class Tile>
-struct Mxfp8WeightTilesRS : TmaLoader {
+struct Mxfp8WeightTiles : TmaLoader {
   using Layout = prime_kernels::SmemKMajor;  // not read: the consumers address the bytes
   static constexpr uint32_t kTmaBytes = Tile::kWeightBytes + Tile::kScaleBytes;
 
@@ -112,9 +114,10 @@ struct Mxfp8WeightTilesRS : TmaLoader {
 #pragma unroll
     for (int b = 0; b < Tile::kNumB; ++b) {
 #pragma unroll
-      for (int atom = 0; atom < Tile::kKAtoms; ++atom)
-        tma_load_2d(dst + atom * Tile::kWeightAtomBytes + b * Tile::kBlockN * 64, map, bar,
-                    kb * Tile::kBlockK + 64 * atom, value_row + b * p.b_second_offset);
+      for (int atom = 0; atom < Tile::kWeightAtoms; ++atom)
+        tma_load_2d(dst + atom * Tile::kWeightAtomBytes + b * Tile::kBlockN * Tile::kWeightAtomK,
+                    map, bar, kb * Tile::kBlockK + Tile::kWeightAtomK * atom,
+                    value_row + b * p.b_second_offset);
       const int row_tile = (n0 + b * p.b_second_offset) / 128;
 #pragma unroll
       for (int j = 0; j < Tile::kScaleBlocks; ++j) {

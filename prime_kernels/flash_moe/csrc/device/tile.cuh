@@ -49,6 +49,8 @@ struct CooperativeConsumers {
   static constexpr int kWarpgroups = 2;
   static constexpr bool kPingPong = false;
   static constexpr bool kRegisterA = false;
+  static constexpr bool kE4m3 = false;
+  static constexpr bool kTokensAlongN = false;
   static constexpr int kWarpgroupsPerStage = 2;  // both read every stage
   static constexpr int kMmaM = 1;                // 64-row wgmma per warpgroup
   static constexpr int kWgM = Tile::kBlockM / 64;
@@ -90,6 +92,8 @@ struct PingPongConsumers {
   static constexpr int kWarpgroups = 2;
   static constexpr bool kPingPong = true;
   static constexpr bool kRegisterA = false;
+  static constexpr bool kE4m3 = false;
+  static constexpr bool kTokensAlongN = false;
   static constexpr int kWarpgroupsPerStage = 1;  // a stage belongs to one tile
   static constexpr int kMmaM = Tile::kBlockM / 64;
   static constexpr bool kFuseB = true;  // the warpgroup has every column of the stage
@@ -139,7 +143,9 @@ struct MoeGemmTileRS {
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kAAtomBytes = kBlockM * 128;
   static constexpr int kScaleBlocks = kBlockN > 128 ? kBlockN / 128 : 1;  // per weight tile
-  static constexpr int kWeightAtomBytes = kNumB * kBlockN * 64;
+  static constexpr int kWeightAtomK = 64;  // e4m3 weight bytes a row per TMA box (64B swizzle)
+  static constexpr int kWeightAtoms = kBlockK / kWeightAtomK;
+  static constexpr int kWeightAtomBytes = kNumB * kBlockN * kWeightAtomK;
   static constexpr int kWeightBytes = kNumB * kBlockN * kBlockK;
   static constexpr int kScaleBytes = kNumB * kScaleBlocks * 512;
   static constexpr int kBBytes = (kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
@@ -182,6 +188,8 @@ struct RegisterAConsumers {
   static constexpr int kWarpgroups = 2;
   static constexpr bool kPingPong = false;
   static constexpr bool kRegisterA = true;
+  static constexpr bool kE4m3 = false;
+  static constexpr bool kTokensAlongN = true;  // the accumulators hold out^T
   static constexpr int kWarpgroupsPerStage = 2;
   static constexpr bool kInterleaved = Tile::kNumB == 2 && Tile::kBlockN == 64;
   static constexpr int kMmaPerTile = kInterleaved ? 1 : Tile::kBlockN / 128;
@@ -215,6 +223,76 @@ struct RegisterAConsumers {
     return kInterleaved ? row_offset + 8 * warp + g
                         : (mh % kMmaPerTile) * 64 + row_offset + 16 * warp + 8 * i + g;
   }
+};
+
+// The e4m3 (wgmma SS) form of the register-A down tile, for MXFP8 weights and an MXFP8 h: both
+// operands stay e4m3 in shared memory and one fp8 wgmma a 32-wide MX block sums their exact
+// products, which E4m3Consumers' mainloop (mma.cuh) scales by both blocks' scales into the fp32
+// accumulators. As in MoeGemmTileRS the weights are wgmma's A (M = weight rows) and the tokens its
+// B (N), so the accumulators hold out^T. A stage holds, in its A buffer, kBlockM token rows of 128
+// e4m3 bytes (128-byte swizzle, by TMA) followed by the tokens' block scales as fp32 (four 32-wide
+// blocks a stage, [block][token]: SwiGluToMxfp8<true> writes them so); in its B buffer kBlockN
+// weight rows of 128 bytes (128-byte swizzle) followed by their scale blocks, as
+// Mxfp8WeightTiles copies them.
+template <int kBlockM_, int kBlockN_>
+struct MoeGemmTileE4m3 {
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNumB = 1;
+  static constexpr int kBlockK = 128;
+  static constexpr int kKAtoms = 1;  // a token row of 128 e4m3 is one 128-byte swizzle row
+  static constexpr int kTokenBytes = kBlockM * kBlockK;
+  static constexpr int kAAtomBytes = kTokenBytes;
+  static constexpr int kMxBlocks = kBlockK / 32;
+  static constexpr int kTokenScaleBytes = kMxBlocks * kBlockM * 4;
+  static constexpr int kABytes = (kTokenBytes + kTokenScaleBytes + 1023) / 1024 * 1024;
+  static constexpr int kScaleBlocks = kBlockN > 128 ? kBlockN / 128 : 1;
+  static constexpr int kWeightAtomK = 128;  // one 128-byte swizzle row a weight row
+  static constexpr int kWeightAtoms = 1;
+  static constexpr int kWeightAtomBytes = kBlockN * kWeightAtomK;
+  static constexpr int kWeightBytes = kBlockN * kBlockK;
+  static constexpr int kScaleBytes = kScaleBlocks * 512;
+  static constexpr int kBBytes = (kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kEpilogueBytes = 0;  // the down epilogues store from registers
+
+  static_assert(kBlockM == 64 || kBlockM == 128, "a block's tokens are at most one wgmma N");
+  static_assert(kBlockN % 128 == 0 && kBlockN <= 256, "whole 128-row scale tiles, TMA box rows");
+  static_assert(kTokenBytes % 1024 == 0 && kWeightBytes % 1024 == 0,
+                "operand tiles keep the 1024-byte alignment of the 128B swizzle atom");
+
+  static constexpr size_t smem_bytes(int stages) {
+    return 1024 /* alignment slack */ + kEpilogueBytes + size_t(stages) * kStageBytes +
+           prime_kernels::StageRing::barrier_bytes(stages);
+  }
+};
+
+// Cooperative consumers of an e4m3 tile (MoeGemmTileE4m3): each warpgroup takes half of the
+// weight rows (kBlockN / 128 m64 blocks) against all the tile's tokens, the wgmmas cut to the
+// first 16, 32, 64 or kMmaN tokens as RegisterAConsumers' (tile_tokens, moe_gemm.cuh).
+//   m_offset: the warpgroup's first token row of the tile (0);
+//   n_offset: its first output column (weight row of the tile).
+template <class Tile, class ALayout_, class BLayout_>
+struct E4m3Consumers {
+  using ALayout = ALayout_;  // the token rows (wgmma's B here)
+  using BLayout = BLayout_;  // the weight rows (wgmma's A)
+  static constexpr int kWarpgroups = 2;
+  static constexpr bool kPingPong = false;
+  static constexpr bool kRegisterA = false;
+  static constexpr bool kE4m3 = true;
+  static constexpr bool kTokensAlongN = true;  // the accumulators hold out^T
+  static constexpr int kWarpgroupsPerStage = 2;
+  static constexpr int kWgRows = Tile::kBlockN / 2;  // output columns per warpgroup
+  static constexpr int kMmaM = kWgRows / 64;
+  static constexpr int kMmaN = Tile::kBlockM;
+  static constexpr int kNumMma = 1;
+  using Mma = prime_kernels::WgmmaE4m3<kMmaN>;
+
+  static_assert(!ALayout::kTrans && !BLayout::kTrans, "fp8 wgmma takes K-major operands only");
+  static_assert(kWgRows % 64 == 0, "whole m64 blocks a warpgroup");
+
+  __device__ __forceinline__ static int m_offset(int /*consumer*/) { return 0; }
+  __device__ __forceinline__ static int n_offset(int consumer) { return consumer * kWgRows; }
 };
 
 }  // namespace prime_moe
