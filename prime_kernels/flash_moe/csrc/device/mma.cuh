@@ -392,22 +392,43 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
     }
     const int token_scale_at = Tile::kTokenBytes + (token_offset + 2 * q) * 4;
     float tmp[kBatch][kMmaM][kRegs];
+    // The stage's weight row scales as fp32 (row r_i of m64 block mh, block b): one 4-byte read a
+    // row, each byte moved into an fp32 exponent field (2^(s - 127) for s in [1, 254]); a word
+    // holding 0x00 (2^-127, an fp32 subnormal) or 0xFF (NaN) takes mxfp8_scale_value.
+    float row_scale[kMmaM][2][kBlocks];
+    const auto read_row_scales = [&](uint32_t stage_b) {
+#pragma unroll
+      for (int mh = 0; mh < kMmaM; ++mh) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t word = ld_shared_u32(stage_b + scale_at[mh][i]);
+          const uint32_t zero = (word - 0x01010101u) & ~word, ones = (~word - 0x01010101u) & word;
+          if (((zero | ones) & 0x80808080u) == 0) {
+#pragma unroll
+            for (int b = 0; b < kBlocks; ++b)
+              row_scale[mh][i][b] = __uint_as_float(((word >> (8 * b)) & 0xFFu) << 23);
+          } else {
+#pragma unroll
+            for (int b = 0; b < kBlocks; ++b)
+              row_scale[mh][i][b] = mxfp8_scale_value((word >> (8 * b)) & 0xFFu);
+          }
+        }
+      }
+    };
     // acc += tmp x the block's weight row scale x its token scale, for every accumulator of the
     // thread (register 4 j + 2 i + c: row r_i, token 8 j + 2 q + c).
-    const auto promote = [&](const float(&t)[kMmaM][kRegs], uint32_t stage_a, uint32_t stage_b,
-                             int b) {
+    const auto promote = [&](const float(&t)[kMmaM][kRegs], uint32_t stage_a, int b) {
       float2 token_scale[kTokenPairs];
       const uint32_t run = stage_a + token_scale_at + b * Tile::kBlockM * 4;
 #pragma unroll
       for (int j = 0; j < kTokenPairs; ++j) token_scale[j] = ld_shared_f32x2(run + 32 * j);
 #pragma unroll
       for (int mh = 0; mh < kMmaM; ++mh) {
-        const float row_scale[2] = {mxfp8_scale_value(ld_shared_u8(stage_b + scale_at[mh][0] + b)),
-                                    mxfp8_scale_value(ld_shared_u8(stage_b + scale_at[mh][1] + b))};
 #pragma unroll
         for (int r = 0; r < kRegs; ++r) {
           const float2 ts = token_scale[r / 4];
-          acc[mh][r] = fmaf(t[mh][r] * row_scale[(r / 2) % 2], r % 2 ? ts.y : ts.x, acc[mh][r]);
+          acc[mh][r] =
+              fmaf(t[mh][r] * row_scale[mh][(r / 2) % 2][b], r % 2 ? ts.y : ts.x, acc[mh][r]);
         }
       }
     };
@@ -419,10 +440,21 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       ring.consumer_wait(rs);
       if constexpr (kFenceGenericWrites) fence_proxy_async_shared();
-      uint8_t* stage_a = smem_a + size_t(rs.stage) * Tile::kABytes;
-      uint8_t* stage_b = smem_b + size_t(rs.stage) * Tile::kBBytes;
-      const uint64_t desc_w = SmemKMajor::desc(stage_b + row_offset * 128);
-      const uint64_t desc_t = SmemKMajor::desc(stage_a + token_offset * 128);
+      const uint32_t stage_a = smem_addr(smem_a + size_t(rs.stage) * Tile::kABytes);
+      const uint32_t stage_b = smem_addr(smem_b + size_t(rs.stage) * Tile::kBBytes);
+      // Both descriptors share their high word (stride and swizzle); the blocks' K steps and the
+      // m64 blocks' rows are 32-bit adds to the start address field (shared memory addresses are
+      // below 2^18: no carry out of it), which ptxas otherwise does in 64 bits with carries and
+      // moves to uniform registers (SASS: 40 IMAD and IADD3 a stage at N = 16).
+      const uint64_t desc_w =
+          SmemKMajor::desc(smem_b + size_t(rs.stage) * Tile::kBBytes + row_offset * 128);
+      const uint32_t desc_hi = uint32_t(desc_w >> 32), w_lo = uint32_t(desc_w);
+      const uint32_t t_lo = uint32_t(
+          SmemKMajor::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128));
+      const auto desc = [&](uint32_t lo, uint32_t offset) {
+        return uint64_t(desc_hi) << 32 | uint32_t(lo + offset);
+      };
+      read_row_scales(stage_b);
 #pragma unroll
       for (int b0 = 0; b0 < kBlocks; b0 += kBatch) {
 #pragma unroll
@@ -433,11 +465,11 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
         wgmma_fence();
 #pragma unroll
         for (int bb = 0; bb < kBatch; ++bb) {
-          const int b = b0 + bb;
+          const uint32_t k_step = uint32_t(b0 + bb) * MmaN::kDescPerK32;
 #pragma unroll
           for (int mh = 0; mh < kMmaM; ++mh)
-            MmaN::mma(tmp[bb][mh], desc_w + (64 * mh * 128 >> 4) + b * MmaN::kDescPerK32,
-                      desc_t + b * MmaN::kDescPerK32, 0);
+            MmaN::mma(tmp[bb][mh], desc(w_lo, (64 * mh * 128 >> 4) + k_step), desc(t_lo, k_step),
+                      0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -445,7 +477,7 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
         for (int bb = 0; bb < kBatch; ++bb) {
 #pragma unroll
           for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(tmp[bb][mh]);
-          promote(tmp[bb], smem_addr(stage_a), smem_addr(stage_b), b0 + bb);
+          promote(tmp[bb], stage_a, b0 + bb);
         }
       }
       fence_proxy_async_shared();
