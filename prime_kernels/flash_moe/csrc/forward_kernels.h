@@ -179,20 +179,22 @@ struct ForwardKernels {
 // so both GEMMs' stages are about the same size. The 64 x 64 tiles (32 accumulators a thread)
 // run two CTAs an SM (tile_block_m says why).
 //
-// At block_n = 64 (decode sizes up to kRegisterANarrowRowsPerExpert rows an expert) the gate/up
-// epilogue stores h as MXFP8 (e4m3 bytes and fp32 block scales) and the down GEMM multiplies it by
-// the e4m3 w2 with fp8 wgmma, each 32-wide MX block's sum scaled into the fp32 accumulators
-// (MoeGemmTileE4m3, WarpgroupMainloopE4m3): no instruction widens a w2 byte, where the register-A
-// down loop spent most of its instructions on that at N = 16 to 64 tokens. Its numerics: mma.cuh.
-// At block_n = 128 (256 rows an expert: N = 128 tokens, where the promotion costs more than the
-// widening) the down GEMM stays register-A on a bf16 h.
+// On the 64 x 64 tiles (decode sizes: tile_block_m) the gate/up epilogue stores h as MXFP8 (e4m3
+// bytes and fp32 block scales) and the down GEMM multiplies it by the e4m3 w2 with fp8 wgmma, each
+// 32-wide MX block's sum scaled into the fp32 accumulators (MoeGemmTileE4m3,
+// WarpgroupMainloopE4m3; numerics: mma.cuh): no instruction widens a w2 byte, half the register-A
+// loop's instructions a stage at N = 16 (SASS). H100, moe_align + fused_moe_mxfp8 at T = 64
+// against the register-A down GEMM: 1.036x Qwen3-30B-A3B, 1.028x DeepSeek-V3-32, 1.012x
+// Mixtral-8x7B; on the 128-row tiles of Qwen3-30B-A3B T = 1024 (N = 64, whose promotion costs
+// about what the widening does) 0.938x, so those keep the register-A down GEMM on a bf16 h
+// (benchmarks/RESULTS.md twenty-second session).
 //
 // Stages are 128 wide in K (MoeGemmTileRS says why).
 template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kDownPingPong = false;
   static constexpr bool kGateUpPingPong = false;
-  static constexpr bool kE4m3Down = kBlockN == 64;
+  static constexpr bool kE4m3Down = kBlockM == 64 && kBlockN == 64;
   using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2>;
   using DownTile = std::conditional_t<kE4m3Down, MoeGemmTileE4m3<kBlockM, 2 * kBlockN>,
                                       MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>>;
