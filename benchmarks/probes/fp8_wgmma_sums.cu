@@ -43,17 +43,6 @@ constexpr int kOutPerProblem = (kSteps + 1) * kM * kN;  // four k32 sums, then t
     }                                                                    \
   } while (0)
 
-__device__ __forceinline__ void wgmma_m64n16k32_e4m3(float (&d)[8], uint64_t desc_a,
-                                                     uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
 // Copies a (rows x 128) byte tile into shared memory with the 128-byte swizzle that
 // make_smem_desc_sw128 describes: 16-byte chunk c of row r lands in chunk c ^ (r % 8).
 __device__ void load_swizzled(uint8_t* smem, const uint8_t* src, int rows) {
@@ -95,7 +84,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int s = 0; s < kSteps; ++s) {
     float d[8] = {};
     prime_kernels::wgmma_fence();
-    wgmma_m64n16k32_e4m3(d, desc_a + 2 * s, desc_b + 2 * s, 0);
+    prime_kernels::WgmmaE4m3<16>::mma(d, desc_a + 2 * s, desc_b + 2 * s, 0);
     prime_kernels::wgmma_commit();
     prime_kernels::wgmma_wait<0>();
     prime_kernels::wgmma_fence_operands(d);
@@ -103,7 +92,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   float d[8] = {};
   prime_kernels::wgmma_fence();
-  for (int s = 0; s < kSteps; ++s) wgmma_m64n16k32_e4m3(d, desc_a + 2 * s, desc_b + 2 * s, s > 0);
+  for (int s = 0; s < kSteps; ++s)
+    prime_kernels::WgmmaE4m3<16>::mma(d, desc_a + 2 * s, desc_b + 2 * s, s > 0);
   prime_kernels::wgmma_commit();
   prime_kernels::wgmma_wait<0>();
   prime_kernels::wgmma_fence_operands(d);

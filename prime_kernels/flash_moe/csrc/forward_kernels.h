@@ -194,11 +194,12 @@ template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kDownPingPong = false;
   static constexpr bool kGateUpPingPong = false;
-  static constexpr bool kE4m3Down = kBlockM == 64 && kBlockN == 64;
+  static constexpr bool kDecodeTile = kBlockM == 64 && kBlockN == 64;
+  static constexpr bool kE4m3Down = kDecodeTile;
   using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2>;
   using DownTile = std::conditional_t<kE4m3Down, MoeGemmTileE4m3<kBlockM, 2 * kBlockN>,
                                       MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>>;
-  static constexpr int kCtasPerSm = kBlockM == 64 && kBlockN == 64 ? 2 : 1;
+  static constexpr int kCtasPerSm = kDecodeTile ? 2 : 1;
   template <class Epilogue>
   using DownGemm = std::conditional_t<
       kE4m3Down,

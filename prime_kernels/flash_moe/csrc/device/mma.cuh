@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mxfp8_fragment.cuh"
 #include "prime_kernels/mbarrier.cuh"
@@ -106,6 +107,19 @@ struct WarpgroupMainloop {
   }
 };
 
+// Calls f(std::integral_constant<int, N>{}) with N the smallest of 16, 32, 64 and kMaxN (a tile's
+// tokens: the largest wgmma N) that covers n_tokens: the register-A and e4m3 loops cut their
+// wgmmas' N to a tile's routed tokens so (tile_tokens, moe_gemm.cuh).
+template <int kMaxN, class F>
+__device__ __forceinline__ auto with_token_n(int n_tokens, F&& f) {
+  if (n_tokens <= 16) return f(std::integral_constant<int, 16>{});
+  if (n_tokens <= 32) return f(std::integral_constant<int, 32>{});
+  if constexpr (kMaxN > 64) {
+    if (n_tokens <= 64) return f(std::integral_constant<int, 64>{});
+  }
+  return f(std::integral_constant<int, kMaxN>{});
+}
+
 // The register-A consumer loop (RegisterAConsumers, MoeGemmTileRS): per K slice, each thread
 // reads its weight rows' e4m3 bytes and scale bytes from the stage (LDS.U16, conflict-free in
 // the 64-byte swizzle), widens them to bf16 A fragments in registers (mxfp8_fragment.cuh) and
@@ -161,16 +175,14 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
                                                  uint8_t* smem_b, int token_offset, int row_offset,
                                                  int scale_row0, int num_k_blocks, int n_tokens,
                                                  Issued&& issued) {
-    using prime_kernels::WgmmaBf16RS;
-    const auto with_mma = [&](auto mma_n) {
-      return run_n<decltype(mma_n)>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset,
-                                    scale_row0, num_k_blocks, issued);
-    };
-    if (!kCutsTokens) return with_mma(Mma{});
-    if (n_tokens <= 16) return with_mma(WgmmaBf16RS<16, ALayout::kTrans>{});
-    if (n_tokens <= 32) return with_mma(WgmmaBf16RS<32, ALayout::kTrans>{});
-    if (Mma::kAccRegs > 32 && n_tokens <= 64) return with_mma(WgmmaBf16RS<64, ALayout::kTrans>{});
-    return with_mma(Mma{});
+    if (!kCutsTokens)
+      return run_n<Mma>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0,
+                        num_k_blocks, issued);
+    return with_token_n<2 * Mma::kAccRegs>(n_tokens, [&](auto n) {
+      return run_n<prime_kernels::WgmmaBf16RS<n, ALayout::kTrans>>(
+          acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0, num_k_blocks,
+          issued);
+    });
   }
 
   // The K loop with wgmma N = MmaN's (at most Mma's: the accumulators' first registers).
@@ -354,16 +366,11 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
                                                  uint8_t* smem_b, int token_offset, int row_offset,
                                                  int scale_row0, int num_k_blocks, int n_tokens,
                                                  Issued&& issued) {
-    using prime_kernels::WgmmaE4m3;
-    const auto with_mma = [&](auto mma_n) {
-      run_n<decltype(mma_n)>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0,
-                             num_k_blocks, issued);
-      return 0u;
-    };
-    if (n_tokens <= 16) return with_mma(WgmmaE4m3<16>{});
-    if (n_tokens <= 32) return with_mma(WgmmaE4m3<32>{});
-    if (Mma::kAccRegs > 32 && n_tokens <= 64) return with_mma(WgmmaE4m3<64>{});
-    return with_mma(Mma{});
+    with_token_n<2 * Mma::kAccRegs>(n_tokens, [&](auto n) {
+      run_n<prime_kernels::WgmmaE4m3<n>>(acc, ring, rs, smem_a, smem_b, token_offset, row_offset,
+                                         scale_row0, num_k_blocks, issued);
+    });
+    return 0u;
   }
 
   template <class MmaN, class Issued>

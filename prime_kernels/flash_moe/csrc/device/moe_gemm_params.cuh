@@ -34,7 +34,7 @@ struct MoeGemmParams {
   // MXFP8 weights (Mxfp8WeightTiles): each expert's e8m0 scales of its (b_rows_per_expert,
   // k_dim / 32) in the blocked layout of pack_scales_blocked.
   const uint8_t* b_scales;
-  // h as MXFP8 between the register-A forward's GEMMs at block_n = 64 (SwiGluToMxfp8<true>,
+  // h as MXFP8 between the register-A forward's GEMMs on its decode tiles (SwiGluToMxfp8<true>,
   // E4m3TokenRows): the gate/up GEMM's out holds h's e4m3 bytes and out_scales its block scales
   // 2^(s - 127) as fp32 (NaN for a block of NaN or +-Inf), which the down GEMM reads back through
   // a_scales; for each 128-row block and 128-wide K step a [4 blocks][128 rows] group, so that a

@@ -1,7 +1,7 @@
 // The MXFP8 forward's gate/up epilogue: SwiGLU, then h re-quantized to MXFP8 along H from its
 // fp32 values, stored dequantized (exactly) as bf16 so the down GEMM reads h by TMA as in bf16;
-// or (kE4m3Out: the register-A forward at block_n = 64, whose down GEMM multiplies e4m3 by e4m3,
-// MoeGemmTileE4m3) stored as MXFP8 itself: the e4m3 bytes, and each block's scale as the fp32
+// or (kE4m3Out: the register-A forward's 64 x 64 decode tiles, whose down GEMM multiplies e4m3 by
+// e4m3, MoeGemmTileE4m3) stored as MXFP8 itself: the e4m3 bytes, and each block's scale as the fp32
 // 2^(s - 127) (NaN for a NaN or +-Inf block) in out_scales (moe_gemm_params.cuh's layout).
 //
 //   SwiGluToMxfp8  h = silu(g) * u in fp32; per 32 consecutive columns of a row (one block of
@@ -130,7 +130,7 @@ struct SwiGluToMxfp8 {
     using namespace prime_kernels;
     static_assert(kMmas == 1 || kMmas == 2, "interleaved gate/up rows, or a gate and an up block");
     constexpr bool kInterleaved = kMmas == 1;
-    // An e4m3 h at block_n = 64 only: a warpgroup's 32 columns are then one MX block.
+    // An e4m3 h from block_n = 64 tiles only: a warpgroup's 32 columns are then one MX block.
     static_assert(!kE4m3Out || kInterleaved, "an e4m3 h comes from the interleaved tile");
     constexpr int kHalves = kInterleaved ? 1 : 2;    // row halves of h a thread holds
     constexpr int kSteps = kRegs / 4;                // token steps j (8 tokens each)
