@@ -390,10 +390,11 @@ def test_opcheck(flash_moe, seed):
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("T", [100, 600], ids=["registers", "widened"])
+@pytest.mark.parametrize("T", [40, 100, 600], ids=["decode", "registers", "widened"])
 def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed, T):
     """Whatever sorted_token_ids and expert_ids hold, the kernels only touch valid memory
-    (compute-sanitizer memcheck runs this); with random ids the numbers are unspecified."""
+    (compute-sanitizer memcheck runs this); with random ids the numbers are unspecified. T = 40
+    (20 rows an expert) runs the 64 x 64 decode tiles and their e4m3 down GEMM."""
     generator = torch.Generator().manual_seed(seed)
     x, w, w2, ids, weights = make_inputs(T, 128, 128, 4, 2, "uniform", generator)
     ops, _ = quantize(flash_moe, x, w, w2)
