@@ -2,7 +2,8 @@
 
     python benchmarks/flash_moe_kernels.py [--configs qwen3,mixtral] [--tokens 32768]
                                            [--routing softmax|one] [--steps 5]
-                                           [--impl ours|sonic] [--step train|fwd-train|fwd]
+                                           [--impl ours|sonic]
+                                           [--step train|fwd-train|fwd|fwd-mxfp8]
                                            [--timeline]
 
 Runs flash_moe.moe forward and backward (x, w, w2 and topk_weights requiring grad) a few
@@ -13,7 +14,8 @@ are one kernel, so one row). The step's own wall time is
 benchmarks/flash_moe.py --training's job; this splits it. ``--impl sonic`` splits SonicMoE's
 training step (peers.Sonic, its default configs, the step benchmarks/flash_moe.py times) the
 same way, by its kernels' names. ``--step fwd-train`` splits the training forward alone and
-``--step fwd`` the forward op (split=True): what keeping z costs the forward.
+``--step fwd`` the forward op (split=True): what keeping z costs the forward; ``--step
+fwd-mxfp8`` the MXFP8 forward op (peers.OursMxfp8: inputs quantized once, outside the steps).
 ``--timeline`` prints, instead, one step's stream operations in launch order, each step
 after an L2 flush (as the benchmark times it): the median over the steps of each one's start
 (from the step's first), duration and gap after the one before (negative: it overlapped,
@@ -39,6 +41,8 @@ import flash_moe  # noqa: E402
 KERNELS = (
     ("SwiGluToH<true>", "forward gate/up (keeps z)", 4),
     ("SwiGluToH<false>", "forward gate/up", 4),
+    ("SwiGluToMxfp8", "MXFP8 forward gate/up", 4),
+    ("Mxfp8WeightTiles", "MXFP8 forward down", 2),
     ("StoreRows, prime_moe::TmaWeightTiles<", "forward down", 2),
     ("SwiGluBackward", "dh (SwiGLU backward epilogue)", 2),
     # dW2 and dW are one kernel (K-grouped, both operands by TMA): one row for the two
@@ -129,10 +133,12 @@ def make_step(impl, fm, x, w, w2, ids, wts, grad_out, what="train"):
 
     if impl == "sonic":
         peer, table = peers.Sonic(tuned=False), SONIC_KERNELS
+    elif what == "fwd-mxfp8":
+        peer, table = peers.OursMxfp8(fm, quantize_each_call=False), KERNELS
     else:
         peer, table = peers.Ours(fm, True), KERNELS
     state = peer.prepare(w, w2)
-    if what == "fwd":
+    if what in ("fwd", "fwd-mxfp8"):
         return peer.forward(state, x, ids, wts), table
     if what == "fwd-train":
         return peer.forward_train(state, x, w, w2, ids, wts), table
@@ -156,10 +162,10 @@ def parse_args(argv=None):
     p.add_argument("--impl", choices=("ours", "sonic"), default="ours")
     p.add_argument(
         "--step",
-        choices=("train", "fwd-train", "fwd"),
+        choices=("train", "fwd-train", "fwd", "fwd-mxfp8"),
         default="train",
         help="train: forward + backward; fwd-train: the training forward alone (keeping what "
-        "backward reads); fwd: the forward op, split=True (default train)",
+        "backward reads); fwd: the forward op, split=True; fwd-mxfp8: the MXFP8 forward op (default train)",
     )
     p.add_argument(
         "--timeline",
