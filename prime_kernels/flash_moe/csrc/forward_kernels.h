@@ -151,8 +151,9 @@ struct ForwardKernels {
   static_assert(DownStore::smem_bytes(3) == DownAtomic::smem_bytes(3));
 
   // h between the GEMMs is bf16 (K-major 128-byte swizzle rows for the down GEMM's TMA), and the
-  // down GEMM reads w2 through the weights policy's map.
+  // down GEMM reads w2 through the weights policy's map; the gate/up GEMM gathers bf16 x.
   static constexpr bool kE4m3Down = false;
+  static constexpr bool kF16GateUp = false;
   static cudaError_t h_map(CUtensorMap* map, const void* h, uint64_t rows, uint64_t hidden) {
     return prime_kernels::make_tma_2d_bf16_sw128(map, h, rows, hidden, kTmaRowsBoxRows);
   }
@@ -187,7 +188,9 @@ struct ForwardKernels {
 // against the register-A down GEMM: 1.036x Qwen3-30B-A3B, 1.028x DeepSeek-V3-32, 1.012x
 // Mixtral-8x7B; on the 128-row tiles of Qwen3-30B-A3B T = 1024 (N = 64, whose promotion costs
 // about what the widening does) 0.938x, so those keep the register-A down GEMM on a bf16 h
-// (benchmarks/RESULTS.md twenty-second session).
+// (benchmarks/RESULTS.md twenty-second session). Their gate/up GEMM takes x as unscaled f16 with
+// fp32 scales (x's pre-pass, fused_moe_mxfp8.cu) and converts the weights to f16 rather than
+// widening them to bf16, each block's sum promoted by both scales (WarpgroupMainloopF16, mma.cuh).
 //
 // Stages are 128 wide in K (MoeGemmTileRS says why).
 template <class Weights, int kBlockM, int kBlockN>
@@ -196,7 +199,8 @@ struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kGateUpPingPong = false;
   static constexpr bool kDecodeTile = kBlockM == 64 && kBlockN == 64;
   static constexpr bool kE4m3Down = kDecodeTile;
-  using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2>;
+  static constexpr bool kF16GateUp = kDecodeTile;
+  using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2, kF16GateUp>;
   using DownTile = std::conditional_t<kE4m3Down, MoeGemmTileE4m3<kBlockM, 2 * kBlockN>,
                                       MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>>;
   static constexpr int kCtasPerSm = kDecodeTile ? 2 : 1;
@@ -359,6 +363,16 @@ int tile_block_m(const FusedMoeBf16Problem& pr, int block_n) {
   return int(pr.block_m);
 }
 
+// Whether the forward of this problem and block_n gathers x as unscaled f16 with fp32 scales
+// (ForwardKernels::kF16GateUp): what x's MXFP8 pre-pass must write.
+template <class Weights>
+bool f16_gate_up(const FusedMoeBf16Problem& pr, int block_n) {
+  bool f16 = false;
+  with_forward_kernels<Weights>(tile_block_m<Weights>(pr, block_n), block_n,
+                                [&](auto kernels) { f16 = decltype(kernels)::kF16GateUp; });
+  return f16;
+}
+
 // The deepest ring the device's shared memory holds for this tile (0: not instantiated).
 template <class Weights>
 int max_stages(int block_m, int block_n, int device) {
@@ -508,6 +522,10 @@ std::string check_ring(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& 
 // (MXFP8 x dequantized; 0 for bf16), then the buffers of the launch sequence.
 struct Workspace {
   __nv_bfloat16* x_rows;  // (T, D) when x_rows_bytes > 0
+  // MXFP8 x as the decode gate/up tile reads it (ForwardKernels::kF16GateUp): x_rows holds x's
+  // unscaled e4m3 values as f16 and x_scales their block scales as fp32 (T, D / 32), set by the
+  // MXFP8 launcher inside its x_rows_bytes.
+  const float* x_scales;
   int32_t* pair_to_row;   // (T * k,) split only: the caller's when training keeps it
   __nv_bfloat16* h;       // (max_padded, H)
   // With an e4m3 h (ForwardKernels::kE4m3Down) h's bytes are (max_padded, H) e4m3, and its block
@@ -640,6 +658,7 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
         gate_up.out_scales = ws.h_scales;
         down.a_scales = ws.h_scales;
       }
+      if constexpr (K::kF16GateUp) gate_up.a_scales = ws.x_scales;
       if constexpr (Weights::kKeepsZ) {
         err = pr.keep_z != nullptr ? launch_gemm<typename K::GateUpKeepZ>(
                                          tmap_w, tmap_w, gate_up, num_sms, stream, dependent)

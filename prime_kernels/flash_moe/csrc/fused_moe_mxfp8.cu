@@ -59,8 +59,13 @@ FusedMoeBf16Problem shape_of(const FusedMoeMxfp8Problem& pr) {
   return s;
 }
 
-size_t x_rows_bytes(const FusedMoeMxfp8Problem& pr) {
+// x's pre-pass output: (T, D) 16-bit rows (bf16 dequantized, or f16 unscaled for the decode
+// gate/up tile), then room for the latter's fp32 scales (T, D / 32).
+size_t x_token_bytes(const FusedMoeMxfp8Problem& pr) {
   return size_t(pr.num_tokens) * size_t(pr.dim) * sizeof(__nv_bfloat16);
+}
+size_t x_rows_bytes(const FusedMoeMxfp8Problem& pr) {
+  return x_token_bytes(pr) + size_t(pr.num_tokens) * size_t(pr.dim / kMxfp8ScaleBlock) * 4;
 }
 
 // Calls f(Mxfp8WidenedWeights{}) or f(Mxfp8Weights{}): the weights policy this problem runs.
@@ -97,6 +102,17 @@ cudaError_t widen(const uint8_t* values, const uint8_t* scales, __nv_bfloat16* o
   const int64_t blocks = (p.chunks + kMxfp8DequantizeThreads - 1) / kMxfp8DequantizeThreads;
   mxfp8_dequantize_kernel<kBlocked>
       <<<unsigned(std::min<int64_t>(blocks, 1 << 20)), kMxfp8DequantizeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Enqueues mxfp8_x_to_f16_kernel over x (T, D): unscaled f16 values and fp32 scales.
+cudaError_t x_to_f16(const FusedMoeMxfp8Problem& pr, uint16_t* out, float* out_scales,
+                     cudaStream_t stream) {
+  const Mxfp8XToF16Params p{pr.x, pr.x_scales, out, out_scales,
+                            int64_t(pr.num_tokens) * pr.dim / 16};
+  const int64_t blocks = (p.chunks + kMxfp8DequantizeThreads - 1) / kMxfp8DequantizeThreads;
+  mxfp8_x_to_f16_kernel<<<unsigned(std::min<int64_t>(blocks, 1 << 20)), kMxfp8DequantizeThreads, 0,
+                          stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -145,9 +161,17 @@ cudaError_t launch_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMo
                                    void* workspace, cudaStream_t stream) {
   if (pr.num_tokens == 0) return cudaSuccess;  // out is empty
   const FusedMoeBf16Problem shape = shape_of(pr);
-  const forward::Workspace ws =
-      forward::carve_workspace(shape, c.split, x_rows_bytes(pr), workspace);
-  cudaError_t err = widen<false>(pr.x, pr.x_scales, ws.x_rows, pr.num_tokens, pr.dim, 0, stream);
+  forward::Workspace ws = forward::carve_workspace(shape, c.split, x_rows_bytes(pr), workspace);
+  cudaError_t err;
+  if (!forward::mxfp8_widens_weights(shape) &&
+      forward::f16_gate_up<Mxfp8Weights>(shape, c.block_n)) {
+    float* x_scales = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(ws.x_rows) +
+                                               x_token_bytes(pr));
+    ws.x_scales = x_scales;
+    err = x_to_f16(pr, reinterpret_cast<uint16_t*>(ws.x_rows), x_scales, stream);
+  } else {
+    err = widen<false>(pr.x, pr.x_scales, ws.x_rows, pr.num_tokens, pr.dim, 0, stream);
+  }
   if (err != cudaSuccess) return err;
   if (!forward::mxfp8_widens_weights(shape)) {
     if (!forward::launchable<Mxfp8Weights>(shape, c)) return cudaErrorInvalidValue;

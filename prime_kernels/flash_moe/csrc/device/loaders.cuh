@@ -204,6 +204,24 @@ struct GatherTokenRows {
         cp_async_16_zfill(dst + atom * Tile::kAAtomBytes + i * 16 * 128,
                           src + 8 * atom + src_chunk[i], (valid_mask >> i) & 1);
     }
+    if constexpr (Tile::kTokenScaleBytes > 0) {
+      // The tokens' four fp32 scales of the stage's K (a_scales: (T, K / 32) from x's pre-pass),
+      // 16 bytes a token: thread chunk = i < kRowsPerThread copies those of its row pass_row +
+      // 16 i, whose src_chunk is the token's first 16-byte chunk of x plus chunk (token * K / 8 +
+      // i), so the token's scales start at chunk src_chunk / 16 = token * K / 128. One copy a
+      // thread: a loop of them by one thread spilled the gather's 32 registers at two CTAs an SM
+      // (ptxas).
+      static_assert(Tile::kBlockK == 128, "one 16-byte chunk of scales a token and stage");
+      static_assert(kRowsPerThread <= 8, "a row's scale copier among its chunk threads");
+      uint32_t row_chunk = src_chunk[0];
+#pragma unroll
+      for (int i = 1; i < kRowsPerThread; ++i)
+        if (chunk == i) row_chunk = src_chunk[i];
+      if (chunk < kRowsPerThread)
+        cp_async_16_zfill(smem_addr(smem_a) + Tile::kTokenBytes + (pass_row + 16 * chunk) * 16,
+                          reinterpret_cast<const uint4*>(p.a_scales) + kb + (row_chunk >> 4),
+                          (valid_mask >> chunk) & 1);
+    }
     cp_async_mbarrier_arrive_noinc(full);
   }
 

@@ -495,4 +495,233 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
   }
 };
 
+// The f16 consumer loop of the decode gate/up tile (RegisterAConsumers on MoeGemmTileRS with
+// kF16Tokens): the register-A loop's operands with the e4m3 loop's promotion. Per k16 step a
+// thread reads its weight rows' e4m3 byte pairs as the register-A loop does and converts each
+// pair by one cvt.rn.f16x2.e4m3x2 to f16, unscaled (exact: e4m3's range is inside f16's); the
+// token rows are x's unscaled e4m3 values as f16 (x's pre-pass). Per 32-wide MX block two f16
+// wgmma RS sum the block's exact products into a temporary, which the thread adds into its fp32
+// accumulators times the weight row's scale and the token's, as WarpgroupMainloopE4m3 does.
+//
+// Why: at decode sizes the register-A loop's widening to bf16 (about nine instructions a
+// fragment word, NaN flags, the scale tests) made the gate/up GEMM issue-bound: ncu, H100,
+// Qwen3-30B-A3B T = 64: issue slots 70% busy, about 426 instructions a warp per 128-wide stage at
+// N = 16, and on an H200 the MXFP8 decode call ran barely faster than on an H100 (benchmarks/
+// RESULTS.md twenty-third session). Here a block costs 8 loads, 8 conversions, 2 wgmmas and the
+// promotion's 2 N/8 fp32 operations a thread: about half the instructions at N = 16. At N = 64
+// the promotion costs about what the widening does, so the loop is the 64 x 64 tile's only.
+//
+// Numerics: f16 products of two 4-bit significands are exact and the tensor core sums f16
+// products as it sums bf16 ones (fp32); each block's promotion rounds once in fp32: exact MX to
+// the tests' 3e-3, as the e4m3 down GEMM. An e4m3 NaN byte converts to an f16 NaN, which the
+// tensor core propagates (no flags), and a NaN scale (0xFF) makes the block's promotion NaN.
+//
+// A batch of blocks (as many temporaries and fragments as the two-CTA tile's 104 registers
+// leave beside its 32 accumulators: two blocks at N = 16, one above) is issued, waited for and
+// promoted together: a promotion that read one temporary while a wgmma into another was in
+// flight made ptxas serialize every wgmma (C7514, WarpgroupMainloopE4m3). The other consumer
+// warps (four a scheduler at two CTAs an SM) overlap the wait. A stage goes back to the producer
+// once its last block is promoted (the promotion reads its scales).
+template <class Tile, class Consumers, bool kFenceGenericWrites>
+struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites> {
+  using Base = WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites>;
+  using Mma = typename Consumers::Mma;
+  using ALayout = typename Consumers::ALayout;
+  static constexpr int kMmaM = Consumers::kMmaM;
+  static constexpr int kBlocks = Tile::kBlockK / 32;  // MX blocks a stage
+  using Accumulators = float[kMmaM][Mma::kAccRegs];
+  static constexpr bool kCutsTokens = true;
+  static_assert(Tile::kF16Tokens && Tile::kTokenScaleBytes == Tile::kBlockM * kBlocks * 4,
+                "f16 token rows, then their fp32 scales");
+  static_assert(Mma::kK == 16, "two k16 steps a 32-wide block");
+
+  // As WarpgroupMainloopRS::run (n_tokens: the tokens the wgmmas multiply); returns no NaN rows.
+  template <class Issued>
+  __device__ __forceinline__ static uint32_t run(Accumulators& acc,
+                                                 const prime_kernels::StageRing& ring,
+                                                 prime_kernels::RingState& rs, uint8_t* smem_a,
+                                                 uint8_t* smem_b, int token_offset, int row_offset,
+                                                 int scale_row0, int num_k_blocks, int n_tokens,
+                                                 Issued&& issued) {
+    with_token_n<2 * Mma::kAccRegs>(n_tokens, [&](auto n) {
+      constexpr int kChunkN = n < kMaxChunkN ? int(n) : kMaxChunkN;
+      run_n<prime_kernels::WgmmaF16RS<kChunkN, ALayout::kTrans>, n / kChunkN>(
+          acc, ring, rs, smem_a, smem_b, token_offset, row_offset, scale_row0, num_k_blocks,
+          issued);
+    });
+    return 0u;
+  }
+
+  // The wgmmas' N is at most 32 tokens: a tile of 64 runs each block as two 32-token chunks on
+  // the same fragments, each waited for and promoted before the next (a 64-token temporary beside
+  // the 32 accumulators spilled 28 bytes at two CTAs an SM, ptxas).
+  static constexpr int kMaxChunkN = 32;
+
+  template <class MmaN, int kChunks, class Issued>
+  __device__ __forceinline__ static void run_n(Accumulators& acc,
+                                               const prime_kernels::StageRing& ring,
+                                               prime_kernels::RingState& rs, uint8_t* smem_a,
+                                               uint8_t* smem_b, int token_offset, int row_offset,
+                                               int scale_row0, int num_k_blocks, Issued& issued) {
+    using namespace prime_kernels;
+    constexpr int kRegs = MmaN::kAccRegs;   // a chunk's accumulator registers
+    constexpr int kTokenPairs = kRegs / 4;  // the thread's token pairs of a chunk (8 j + 2 q, + 1)
+    constexpr int kBatch = kRegs <= 8 ? 2 : 1;
+    static_assert(kBlocks % kBatch == 0, "whole batches of a stage's blocks");
+    static_assert(kChunks == 1 || kBatch == 1, "chunks of one block at a time");
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int g = lane / 4, q = lane % 4;
+    // The thread's fragment rows r0 (i = 0) and r1 (i = 1) of each m64 block in the stage's weight
+    // atoms, and their scale bytes, as WarpgroupMainloopRS addresses them.
+    const int swizzle = (g >> 1) & 3;
+    int value_at[kMmaM][2], scale_at[kMmaM][2];
+#pragma unroll
+    for (int mh = 0; mh < kMmaM; ++mh) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int tile = Consumers::stage_tile(mh, i);
+        const int row = Consumers::tile_row(mh, i, warp, g, row_offset);
+        value_at[mh][i] = (tile * Tile::kBlockN + row) * 64 + 2 * q;
+        const int r = scale_row0 + row;
+        scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
+                          (r % 32) * 16 + (r % 128) / 32 * 4;
+      }
+    }
+    // Token 8 j + 2 q + c's scale of block b: [token][block] after the token rows.
+    const int token_scale_at = Tile::kTokenBytes + (token_offset + 2 * q) * 16;
+    // The stage's weight row scales as fp32, worked out once a stage (WarpgroupMainloopE4m3); at
+    // 64 tokens, where those 8 registers spilled (ptxas), each block's from the scale words.
+    constexpr bool kScaleTable = kChunks == 1;
+    float row_scale[kMmaM][2][kScaleTable ? kBlocks : 1];
+    uint32_t row_scale_word[kMmaM][2];
+    const auto read_row_scales = [&](uint32_t weights) {
+#pragma unroll
+      for (int mh = 0; mh < kMmaM; ++mh) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t word = ld_shared_u32(weights + scale_at[mh][i]);
+          row_scale_word[mh][i] = word;
+          if constexpr (!kScaleTable) continue;
+          const uint32_t zero = (word - 0x01010101u) & ~word, ones = (~word - 0x01010101u) & word;
+          if (((zero | ones) & 0x80808080u) == 0) {
+#pragma unroll
+            for (int b = 0; b < kBlocks; ++b)
+              row_scale[mh][i][b % (kScaleTable ? kBlocks : 1)] =
+                  __uint_as_float(((word >> (8 * b)) & 0xFFu) << 23);
+          } else {
+#pragma unroll
+            for (int b = 0; b < kBlocks; ++b)
+              row_scale[mh][i][b % (kScaleTable ? kBlocks : 1)] =
+                  mxfp8_scale_value((word >> (8 * b)) & 0xFFu);
+          }
+        }
+      }
+    };
+    // acc += tmp x the block's weight row scale x its token scale, for the tokens of chunk c
+    // (register 4 j + 2 i + c' of the chunk: row r_i, token kChunkN c + 8 j + 2 q + c', which is
+    // the tile's register kRegs c + 4 j + 2 i + c').
+    const auto promote = [&](const float(&t)[kMmaM][kRegs], uint32_t stage_a, int b, int c) {
+      float2 token_scale[kTokenPairs];
+      const uint32_t at = stage_a + token_scale_at + (2 * kRegs * c) * 16 + b * 4;
+#pragma unroll
+      for (int j = 0; j < kTokenPairs; ++j)
+        token_scale[j] = make_float2(__uint_as_float(ld_shared_u32(at + 8 * j * 16)),
+                                     __uint_as_float(ld_shared_u32(at + (8 * j + 1) * 16)));
+#pragma unroll
+      for (int mh = 0; mh < kMmaM; ++mh) {
+        float rows[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          rows[i] = kScaleTable ? row_scale[mh][i][b % (kScaleTable ? kBlocks : 1)]
+                                : mxfp8_scale_value((row_scale_word[mh][i] >> (8 * b)) & 0xFFu);
+#pragma unroll
+        for (int r = 0; r < kRegs; ++r) {
+          const float2 ts = token_scale[r / 4];
+          float& a = acc[mh][kRegs * c + r];
+          a = fmaf(t[mh][r] * rows[(r / 2) % 2], r % 2 ? ts.y : ts.x, a);
+        }
+      }
+    };
+#pragma unroll
+    for (int mh = 0; mh < kMmaM; ++mh) {
+#pragma unroll
+      for (int r = 0; r < kRegs * kChunks; ++r) acc[mh][r] = 0.0f;
+    }
+    float tmp[kBatch][kMmaM][kRegs];
+    uint32_t frag[kBatch][kMmaM][2][4];
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ring.consumer_wait(rs);
+      if constexpr (kFenceGenericWrites) fence_proxy_async_shared();
+      const uint32_t weights = smem_addr(smem_b) + rs.stage * Tile::kBBytes;
+      const uint32_t stage_a = smem_addr(smem_a) + rs.stage * Tile::kABytes;
+      // Step kk's B descriptor by a 32-bit add to the start address field (WarpgroupMainloopRS).
+      const uint64_t desc_b =
+          ALayout::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128);
+      const uint32_t desc_lo = uint32_t(desc_b), desc_hi = uint32_t(desc_b >> 32);
+      const auto desc_b_step = [&](int kk) {
+        const uint32_t offset =
+            (kk / 4) * (Tile::kAAtomBytes >> 4) + ALayout::kDescPerK16 * (kk % 4);
+        return uint64_t(desc_hi) << 32 | uint32_t(desc_lo + offset);
+      };
+      read_row_scales(weights);
+#pragma unroll
+      for (int b0 = 0; b0 < kBlocks; b0 += kBatch) {
+#pragma unroll
+        for (int bb = 0; bb < kBatch; ++bb) {
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            const int kk = 2 * (b0 + bb) + s;
+            // 64-byte rows of K atom kk / 4, 16-byte chunk kk % 4 (swizzled)
+            const uint32_t chunk = (kk / 4) * Tile::kWeightAtomBytes + 16 * ((kk % 4) ^ swizzle);
+#pragma unroll
+            for (int mh = 0; mh < kMmaM; ++mh) {
+              const uint32_t r0 = weights + value_at[mh][0] + chunk;
+              const uint32_t r1 = weights + value_at[mh][1] + chunk;
+              frag[bb][mh][s][0] = e4m3x2_to_f16x2(ld_shared_u16(r0));
+              frag[bb][mh][s][1] = e4m3x2_to_f16x2(ld_shared_u16(r1));
+              frag[bb][mh][s][2] = e4m3x2_to_f16x2(ld_shared_u16(r0 + 8));
+              frag[bb][mh][s][3] = e4m3x2_to_f16x2(ld_shared_u16(r1 + 8));
+              wgmma_fence_operands(frag[bb][mh][s]);
+            }
+          }
+#pragma unroll
+          for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(tmp[bb][mh]);
+        }
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          // Chunk c's token rows start kChunkN c rows (of 128 bytes) into each K atom.
+          const uint32_t chunk_rows = uint32_t(2 * kRegs * c * 128) >> 4;
+          if (c > 0) {
+#pragma unroll
+            for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(tmp[0][mh]);
+          }
+          wgmma_fence();
+#pragma unroll
+          for (int bb = 0; bb < kBatch; ++bb) {
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+#pragma unroll
+              for (int mh = 0; mh < kMmaM; ++mh)
+                MmaN::mma(tmp[bb][mh], frag[bb][mh][s],
+                          desc_b_step(2 * (b0 + bb) + s) + chunk_rows, s);
+            }
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+#pragma unroll
+          for (int bb = 0; bb < kBatch; ++bb) {
+#pragma unroll
+            for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(tmp[bb][mh]);
+            promote(tmp[bb], stage_a, b0 + bb, c);
+          }
+        }
+      }
+      fence_proxy_async_shared();
+      Base::release(ring, rs.stage);
+      rs.advance(ring.stages);
+    }
+    issued();
+  }
+};
+
 }  // namespace prime_moe

@@ -85,13 +85,17 @@ struct MoeGemm {
   static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr bool kFenceGenericWrites =
       ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites;
-  // Register-A consumers (MXFP8 weights widened in registers) and e4m3 ones (fp8 wgmma, each
-  // MX block promoted) run their own K loops over the same ring (mma.cuh).
+  // Register-A consumers (MXFP8 weights widened in registers, or converted to f16 on a tile of
+  // f16 tokens) and e4m3 ones (fp8 wgmma, each MX block promoted) run their own K loops over the
+  // same ring (mma.cuh).
   using Mainloop = std::conditional_t<
       Consumers::kE4m3, WarpgroupMainloopE4m3<Tile, Consumers, kFenceGenericWrites>,
-      std::conditional_t<Consumers::kRegisterA,
-                         WarpgroupMainloopRS<Tile, Consumers, kFenceGenericWrites>,
-                         WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites, kClusterM>>>;
+      std::conditional_t<
+          Consumers::kRegisterA,
+          std::conditional_t<Tile::kF16Tokens,
+                             WarpgroupMainloopF16<Tile, Consumers, kFenceGenericWrites>,
+                             WarpgroupMainloopRS<Tile, Consumers, kFenceGenericWrites>>,
+          WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites, kClusterM>>>;
 
   static constexpr int kThreads = 128 * (1 + Consumers::kWarpgroups);
   static constexpr int kProducerThreads =

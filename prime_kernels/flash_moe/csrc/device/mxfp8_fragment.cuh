@@ -76,6 +76,16 @@ __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
   return v;
 }
 
+// Two e4m3 bytes (the low 16 bits of pair, the lower column in the low byte) as f16x2, unscaled:
+// exact (every e4m3 value is an f16), and an e4m3 NaN stays NaN. One instruction
+// (F2FP.F16.E4M3.UNPACK_B) where the bf16 widening takes about nine a word: the decode gate/up
+// loop's operand (WarpgroupMainloopF16, mma.cuh).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(pair)));
+  return h;
+}
+
 // Row r0's two bytes (lo16_r0: column c in the low byte, c + 1 in the high) and row r1's as one
 // word: bytes {r0[c], r1[c], r0[c + 1], r1[c + 1]} (even bytes r0, odd bytes r1).
 __device__ __forceinline__ uint32_t mxfp8_fragment_word(uint32_t lo16_r0, uint32_t lo16_r1) {

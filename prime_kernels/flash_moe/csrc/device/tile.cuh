@@ -25,6 +25,8 @@ struct MoeGemmTile {
   static constexpr int kBBytes = kNumB * kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpilogueBytes = 0;  // the epilogues store from registers
+  static constexpr bool kF16Tokens = false;
+  static constexpr int kTokenScaleBytes = 0;
 
   static_assert(kBlockM == 64 || kBlockM == 128, "a block is one or two wgmma M of 64 rows");
   static_assert(kNumB * kBlockN <= 512 && kBlockN <= 256, "TMA box rows are at most 256");
@@ -133,14 +135,21 @@ struct PingPongConsumers {
 // T = 64 and 1.02x at T = 1024 (H100, Qwen3-30B-A3B, DeepSeek-V3-32, Mixtral-8x7B). The two-CTA
 // 64 x 64 tiles keep only 3 such stages and are where the T = 64 gain is: on 64-wide stages they
 // measured as before (docs/flash_moe_mxfp8_design.md, benchmarks/RESULTS.md twentieth session).
-template <int kBlockM_, int kBlockN_, int kNumB_>
+//
+// kF16Tokens (the decode gate/up tile, WarpgroupMainloopF16): the token rows are x's unscaled e4m3
+// values as f16 (x's pre-pass), and after them the stage holds each token's four 32-block scales
+// as fp32 ([token][block], 16 bytes a token: GatherTokenRows copies them beside its row).
+template <int kBlockM_, int kBlockN_, int kNumB_, bool kF16Tokens_ = false>
 struct MoeGemmTileRS {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNumB = kNumB_;
+  static constexpr bool kF16Tokens = kF16Tokens_;
   static constexpr int kBlockK = 128;
-  static constexpr int kKAtoms = kBlockK / 64;  // 128-byte rows of bf16 tokens, 64 of e4m3
-  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kKAtoms = kBlockK / 64;  // 128-byte rows of 16-bit tokens, 64 of e4m3
+  static constexpr int kTokenBytes = kBlockM * kBlockK * 2;
+  static constexpr int kTokenScaleBytes = kF16Tokens ? kBlockM * (kBlockK / 32) * 4 : 0;
+  static constexpr int kABytes = (kTokenBytes + kTokenScaleBytes + 1023) / 1024 * 1024;
   static constexpr int kAAtomBytes = kBlockM * 128;
   static constexpr int kScaleBlocks = kBlockN > 128 ? kBlockN / 128 : 1;  // per weight tile
   static constexpr int kWeightAtomK = 64;  // e4m3 weight bytes a row per TMA box (64B swizzle)
@@ -255,6 +264,7 @@ struct MoeGemmTileE4m3 {
   static constexpr int kBBytes = (kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpilogueBytes = 0;  // the down epilogues store from registers
+  static constexpr bool kF16Tokens = false;
 
   static_assert(kBlockM == 64 || kBlockM == 128, "a block's tokens are at most one wgmma N");
   static_assert(kBlockN % 128 == 0 && kBlockN <= 256, "whole 128-row scale tiles, TMA box rows");
