@@ -33,7 +33,9 @@ EMULATION_BAR = 3e-3
 # The two ways the op runs (fused_moe_mxfp8.cu), by the mean rows per routed expert: the fp8
 # weights widened in the GEMMs' registers (decode sizes), or widened to bf16 once by a pre-pass
 # (prefill sizes, above 256 rows an expert). PRIME_MOE_PRINT_CONFIG=1 names the one taken.
-PATH_MARKERS = {"registers": "widened to bf16 in registers", "widened": "widened to bf16 once"}
+# The register path's weights are widened to bf16, or on the 64 x 64 decode tiles converted to
+# f16, in registers; the widened path's once by a pre-pass.
+PATH_MARKERS = {"registers": "in registers", "widened": "widened to bf16 once"}
 
 
 def expect_path(capfd, path: str) -> None:

@@ -526,8 +526,8 @@ struct Workspace {
   // unscaled e4m3 values as f16 and x_scales their block scales as fp32 (T, D / 32), set by the
   // MXFP8 launcher inside its x_rows_bytes.
   const float* x_scales;
-  int32_t* pair_to_row;   // (T * k,) split only: the caller's when training keeps it
-  __nv_bfloat16* h;       // (max_padded, H)
+  int32_t* pair_to_row;  // (T * k,) split only: the caller's when training keeps it
+  __nv_bfloat16* h;      // (max_padded, H)
   // With an e4m3 h (ForwardKernels::kE4m3Down) h's bytes are (max_padded, H) e4m3, and its block
   // scales (moe_gemm_params.cuh's layout, 128-row blocks) follow them in the same buffer.
   float* h_scales;

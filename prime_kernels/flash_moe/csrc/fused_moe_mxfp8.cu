@@ -1,6 +1,7 @@
 // Launcher of the MXFP8 fused MoE forward on sm_90a (host side of fused_moe_mxfp8.h): x is
-// dequantized to a bf16 workspace (mxfp8_dequantize.cuh), then forward_kernels.h's launch
-// sequence runs on the MXFP8 weights in one of two ways, by the mean rows per routed expert
+// dequantized to a bf16 workspace (mxfp8_dequantize.cuh) or, for the decode tiles' gate/up loop,
+// written as unscaled f16 with fp32 block scales (forward::f16_gate_up), then forward_kernels.h's
+// launch sequence runs on the MXFP8 weights in one of two ways, by the mean rows per routed expert
 // (forward::mxfp8_widens_weights). The hints' meaning is the bf16 forward's.
 //
 // Decode sizes (at most kMxfp8WidenRowsPerExpert rows an expert): Mxfp8Weights (design:
@@ -8,7 +9,9 @@
 // register A operand. The producer copies raw e4m3 weight tiles (TMA, 64-byte swizzle) and their
 // scale blocks into the stage, beside the token rows (gathered x for gate/up, h by TMA for down);
 // each consumer thread reads its fragment's bytes (LDS.U16), widens them exactly to bf16 in
-// registers (a bit move and one bf16x2 multiply, mxfp8_fragment.cuh) and issues wgmma RS. The
+// registers (a bit move and one bf16x2 multiply, mxfp8_fragment.cuh) and issues wgmma RS; on the
+// 64 x 64 decode tiles the gate/up GEMM converts them to f16 instead and promotes each 32-block's
+// sum by both scales (WarpgroupMainloopF16), and the down GEMM runs on fp8 wgmma. The
 // weights stream as fp8 (half of bf16's bytes), which is what a weight-bound call pays for. The
 // epilogues take the transposed accumulators (SwiGluToMxfp8, StoreRows,
 // WeightedAtomicAdd::store_transposed). A tile's wgmmas multiply only the first 16, 32, 64 or 128
@@ -165,8 +168,8 @@ cudaError_t launch_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMo
   cudaError_t err;
   if (!forward::mxfp8_widens_weights(shape) &&
       forward::f16_gate_up<Mxfp8Weights>(shape, c.block_n)) {
-    float* x_scales = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(ws.x_rows) +
-                                               x_token_bytes(pr));
+    float* x_scales =
+        reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(ws.x_rows) + x_token_bytes(pr));
     ws.x_scales = x_scales;
     err = x_to_f16(pr, reinterpret_cast<uint16_t*>(ws.x_rows), x_scales, stream);
   } else {
@@ -218,6 +221,12 @@ std::string describe_fused_moe_mxfp8_config(const FusedMoeMxfp8Problem& pr,
         shape, requested, c,
         "x=dequantized pre-pass + gather, weights=widened to bf16 once by a pre-pass + TMA "
         "(wgmma SS), h=MXFP8 re-quantized");
+  if (forward::f16_gate_up<Mxfp8Weights>(shape, c.block_n))
+    return forward::describe_config<Mxfp8Weights>(
+        shape, requested, c,
+        "x=unscaled f16 pre-pass + gather with fp32 block scales, weights=fp8 TMA, gate/up "
+        "converted to f16 in registers (wgmma RS, out^T) with each 32-block's sum promoted by "
+        "both scales, h=MXFP8 re-quantized");
   return forward::describe_config<Mxfp8Weights>(
       shape, requested, c,
       "x=dequantized pre-pass + gather, weights=fp8 TMA + scales widened to bf16 in registers "
