@@ -408,17 +408,7 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
       for (int mh = 0; mh < kMmaM; ++mh) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const uint32_t word = ld_shared_u32(stage_b + scale_at[mh][i]);
-          const uint32_t zero = (word - 0x01010101u) & ~word, ones = (~word - 0x01010101u) & word;
-          if (((zero | ones) & 0x80808080u) == 0) {
-#pragma unroll
-            for (int b = 0; b < kBlocks; ++b)
-              row_scale[mh][i][b] = __uint_as_float(((word >> (8 * b)) & 0xFFu) << 23);
-          } else {
-#pragma unroll
-            for (int b = 0; b < kBlocks; ++b)
-              row_scale[mh][i][b] = mxfp8_scale_value((word >> (8 * b)) & 0xFFu);
-          }
+          mxfp8_scale_values(ld_shared_u32(stage_b + scale_at[mh][i]), row_scale[mh][i]);
         }
       }
     };
@@ -596,7 +586,7 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
     // The stage's weight row scales as fp32, worked out once a stage (WarpgroupMainloopE4m3); at
     // 64 tokens, where those 8 registers spilled (ptxas), each block's from the scale words.
     constexpr bool kScaleTable = kChunks == 1;
-    float row_scale[kMmaM][2][kScaleTable ? kBlocks : 1];
+    float row_scale[kMmaM][2][kBlocks];
     uint32_t row_scale_word[kMmaM][2];
     const auto read_row_scales = [&](uint32_t weights) {
 #pragma unroll
@@ -604,20 +594,10 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const uint32_t word = ld_shared_u32(weights + scale_at[mh][i]);
-          row_scale_word[mh][i] = word;
-          if constexpr (!kScaleTable) continue;
-          const uint32_t zero = (word - 0x01010101u) & ~word, ones = (~word - 0x01010101u) & word;
-          if (((zero | ones) & 0x80808080u) == 0) {
-#pragma unroll
-            for (int b = 0; b < kBlocks; ++b)
-              row_scale[mh][i][b % (kScaleTable ? kBlocks : 1)] =
-                  __uint_as_float(((word >> (8 * b)) & 0xFFu) << 23);
-          } else {
-#pragma unroll
-            for (int b = 0; b < kBlocks; ++b)
-              row_scale[mh][i][b % (kScaleTable ? kBlocks : 1)] =
-                  mxfp8_scale_value((word >> (8 * b)) & 0xFFu);
-          }
+          if constexpr (kScaleTable)
+            mxfp8_scale_values(word, row_scale[mh][i]);
+          else
+            row_scale_word[mh][i] = word;
         }
       }
     };
@@ -636,7 +616,7 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
         float rows[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i)
-          rows[i] = kScaleTable ? row_scale[mh][i][b % (kScaleTable ? kBlocks : 1)]
+          rows[i] = kScaleTable ? row_scale[mh][i][b]
                                 : mxfp8_scale_value((row_scale_word[mh][i] >> (8 * b)) & 0xFFu);
 #pragma unroll
         for (int r = 0; r < kRegs; ++r) {

@@ -76,6 +76,21 @@ __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
   return v;
 }
 
+// A scale word's four e8m0 bytes (the low byte first) as fp32 2^(s - 127): each byte moved into
+// an fp32 exponent field, unless a byte is 0x00 (2^-127, an fp32 subnormal) or 0xFF (NaN), which
+// take mxfp8_scale_value. The promoting loops' row scales (WarpgroupMainloopE4m3 and
+// WarpgroupMainloopF16, mma.cuh): one 4-byte read a weight row and stage.
+__device__ __forceinline__ void mxfp8_scale_values(uint32_t word, float (&scale)[4]) {
+  const uint32_t zero = (word - 0x01010101u) & ~word, ones = (~word - 0x01010101u) & word;
+  if (((zero | ones) & 0x80808080u) == 0) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) scale[b] = __uint_as_float(((word >> (8 * b)) & 0xFFu) << 23);
+  } else {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) scale[b] = mxfp8_scale_value((word >> (8 * b)) & 0xFFu);
+  }
+}
+
 // Two e4m3 bytes (the low 16 bits of pair, the lower column in the low byte) as f16x2, unscaled:
 // exact (every e4m3 value is an f16), and an e4m3 NaN stays NaN. One instruction
 // (F2FP.F16.E4M3.UNPACK_B) where the bf16 widening takes about nine a word: the decode gate/up
