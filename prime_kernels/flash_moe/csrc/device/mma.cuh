@@ -120,6 +120,39 @@ __device__ __forceinline__ auto with_token_n(int n_tokens, F&& f) {
   return f(std::integral_constant<int, kMaxN>{});
 }
 
+// The register-A consumers' per-thread addresses in a stage's B buffer (WarpgroupMainloopRS and
+// WarpgroupMainloopF16): byte offsets of the thread's fragment rows r0 (i = 0) and r1 (i = 1) of
+// each m64 block (Consumers::stage_row) in the stage's K atom 0, at column 2 q, and of their
+// scale bytes in the tile's scale blocks (scale_row0: the tile's first weight row modulo 128).
+template <class Tile, class Consumers>
+__device__ __forceinline__ void register_a_rows(int warp, int g, int q, int row_offset,
+                                                int scale_row0,
+                                                int (&value_at)[Consumers::kMmaM][2],
+                                                int (&scale_at)[Consumers::kMmaM][2]) {
+#pragma unroll
+  for (int mh = 0; mh < Consumers::kMmaM; ++mh) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int tile = Consumers::stage_tile(mh, i);
+      const int row = Consumers::tile_row(mh, i, warp, g, row_offset);
+      value_at[mh][i] = (tile * Tile::kBlockN + row) * 64 + 2 * q;
+      const int r = scale_row0 + row;  // from the tile's first scale block
+      scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
+                        (r % 32) * 16 + (r % 128) / 32 * 4;
+    }
+  }
+}
+
+// k16 step kk's descriptor of a stage's token rows (wgmma's B in the register-A loops), from the
+// stage's: a 32-bit add to the start address field (it cannot carry out of it: shared memory
+// addresses are below 2^18), which ptxas otherwise does in 64 bits, with a carry and one more
+// move to uniform registers, in every k16 step.
+template <class Tile, class ALayout>
+__device__ __forceinline__ uint64_t token_desc_step(uint64_t desc, int kk) {
+  const uint32_t offset = (kk / 4) * (Tile::kAAtomBytes >> 4) + ALayout::kDescPerK16 * (kk % 4);
+  return (desc >> 32) << 32 | uint32_t(uint32_t(desc) + offset);
+}
+
 // The register-A consumer loop (RegisterAConsumers, MoeGemmTileRS): per K slice, each thread
 // reads its weight rows' e4m3 bytes and scale bytes from the stage (LDS.U16, conflict-free in
 // the 64-byte swizzle), widens them to bf16 A fragments in registers (mxfp8_fragment.cuh) and
@@ -197,24 +230,11 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
     static_assert(MmaN::kAccRegs <= Mma::kAccRegs, "a prefix of the tile's tokens");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int g = lane / 4, q = lane % 4;
-    // Byte offsets in the stage's B buffer of the thread's fragment rows r0 (i = 0) and r1
-    // (i = 1) of each m64 block (Consumers::stage_row), and of their scale bytes. The 64-byte
-    // swizzle XORs the 16-byte chunk with (row / 2) % 4, which is (g / 2) % 4 for all of them
-    // (every stage row is g modulo 8).
+    // The 64-byte swizzle XORs the 16-byte chunk with (row / 2) % 4, which is (g / 2) % 4 for
+    // all the thread's rows (every stage row is g modulo 8).
     const int swizzle = (g >> 1) & 3;
     int value_at[kMmaM][2], scale_at[kMmaM][2];
-#pragma unroll
-    for (int mh = 0; mh < kMmaM; ++mh) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int tile = Consumers::stage_tile(mh, i);
-        const int row = Consumers::tile_row(mh, i, warp, g, row_offset);
-        value_at[mh][i] = (tile * Tile::kBlockN + row) * 64 + 2 * q;  // in the stage's K atom 0
-        const int r = scale_row0 + row;  // from the tile's first scale block
-        scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
-                          (r % 32) * 16 + (r % 128) / 32 * 4;
-      }
-    }
+    register_a_rows<Tile, Consumers>(warp, g, q, row_offset, scale_row0, value_at, scale_at);
 #pragma unroll
     for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
     uint32_t frag[2][kMmaM][kRound][4];
@@ -228,15 +248,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
       const uint32_t weights = smem_addr(smem_b) + rs.stage * Tile::kBBytes;
       const uint64_t desc_b =
           ALayout::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128);
-      // Step kk's B descriptor: a 32-bit add to the start address field (it cannot carry out of
-      // it: shared memory addresses are below 2^18), which ptxas otherwise does in 64 bits,
-      // with a carry and one more move to uniform registers, in every k16 step.
-      const uint32_t desc_lo = uint32_t(desc_b), desc_hi = uint32_t(desc_b >> 32);
-      const auto desc_b_step = [&](int kk) {
-        const uint32_t offset =
-            (kk / 4) * (Tile::kAAtomBytes >> 4) + ALayout::kDescPerK16 * (kk % 4);
-        return uint64_t(desc_hi) << 32 | uint32_t(desc_lo + offset);
-      };
+      const auto desc_b_step = [&](int kk) { return token_desc_step<Tile, ALayout>(desc_b, kk); };
       // The slice's four 32-blocks' scales of rows r0 and r1 (one 4-byte read each, a byte a
       // block); each round works out its block's bf16x2 multipliers and whether both are
       // fast-path scales (kept for the whole slice, the four blocks' of them spilled at two CTAs
@@ -565,22 +577,10 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
     static_assert(kChunks == 1 || kBatch == 1, "chunks of one block at a time");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int g = lane / 4, q = lane % 4;
-    // The thread's fragment rows r0 (i = 0) and r1 (i = 1) of each m64 block in the stage's weight
-    // atoms, and their scale bytes, as WarpgroupMainloopRS addresses them.
+    // The thread's fragment rows and their scale bytes, as WarpgroupMainloopRS reads them.
     const int swizzle = (g >> 1) & 3;
     int value_at[kMmaM][2], scale_at[kMmaM][2];
-#pragma unroll
-    for (int mh = 0; mh < kMmaM; ++mh) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int tile = Consumers::stage_tile(mh, i);
-        const int row = Consumers::tile_row(mh, i, warp, g, row_offset);
-        value_at[mh][i] = (tile * Tile::kBlockN + row) * 64 + 2 * q;
-        const int r = scale_row0 + row;
-        scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
-                          (r % 32) * 16 + (r % 128) / 32 * 4;
-      }
-    }
+    register_a_rows<Tile, Consumers>(warp, g, q, row_offset, scale_row0, value_at, scale_at);
     // Token 8 j + 2 q + c's scale of block b: [token][block] after the token rows.
     const int token_scale_at = Tile::kTokenBytes + (token_offset + 2 * q) * 16;
     // The stage's weight row scales as fp32, worked out once a stage (WarpgroupMainloopE4m3); at
@@ -638,15 +638,9 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
       if constexpr (kFenceGenericWrites) fence_proxy_async_shared();
       const uint32_t weights = smem_addr(smem_b) + rs.stage * Tile::kBBytes;
       const uint32_t stage_a = smem_addr(smem_a) + rs.stage * Tile::kABytes;
-      // Step kk's B descriptor by a 32-bit add to the start address field (WarpgroupMainloopRS).
       const uint64_t desc_b =
           ALayout::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128);
-      const uint32_t desc_lo = uint32_t(desc_b), desc_hi = uint32_t(desc_b >> 32);
-      const auto desc_b_step = [&](int kk) {
-        const uint32_t offset =
-            (kk / 4) * (Tile::kAAtomBytes >> 4) + ALayout::kDescPerK16 * (kk % 4);
-        return uint64_t(desc_hi) << 32 | uint32_t(desc_lo + offset);
-      };
+      const auto desc_b_step = [&](int kk) { return token_desc_step<Tile, ALayout>(desc_b, kk); };
       read_row_scales(weights);
 #pragma unroll
       for (int b0 = 0; b0 < kBlocks; b0 += kBatch) {
