@@ -112,8 +112,8 @@ cudaError_t widen(const uint8_t* values, const uint8_t* scales, __nv_bfloat16* o
 cudaError_t x_to_f16(const FusedMoeMxfp8Problem& pr, uint16_t* out, float* out_scales,
                      cudaStream_t stream) {
   const Mxfp8XToF16Params p{pr.x, pr.x_scales, out, out_scales,
-                            int64_t(pr.num_tokens) * pr.dim / 16};
-  const int64_t blocks = (p.chunks + kMxfp8DequantizeThreads - 1) / kMxfp8DequantizeThreads;
+                            int64_t(pr.num_tokens) * pr.dim / kMxfp8ScaleBlock};
+  const int64_t blocks = (p.blocks + kMxfp8DequantizeThreads - 1) / kMxfp8DequantizeThreads;
   mxfp8_x_to_f16_kernel<<<unsigned(std::min<int64_t>(blocks, 1 << 20)), kMxfp8DequantizeThreads, 0,
                           stream>>>(p);
   return cudaGetLastError();

@@ -122,10 +122,11 @@ __device__ __forceinline__ auto with_token_n(int n_tokens, F&& f) {
 
 // The register-A consumers' per-thread addresses in a stage's B buffer (WarpgroupMainloopRS and
 // WarpgroupMainloopF16): byte offsets of the thread's fragment rows r0 (i = 0) and r1 (i = 1) of
-// each m64 block (Consumers::stage_row) in the stage's K atom 0, at column 2 q, and of their
-// scale bytes in the tile's scale blocks (scale_row0: the tile's first weight row modulo 128).
+// each m64 block (Consumers::stage_row) in the stage's K atom 0, at the thread's first byte column
+// (column), and of their scale bytes in the tile's scale blocks (scale_row0: the tile's first
+// weight row modulo 128).
 template <class Tile, class Consumers>
-__device__ __forceinline__ void register_a_rows(int warp, int g, int q, int row_offset,
+__device__ __forceinline__ void register_a_rows(int warp, int g, int column, int row_offset,
                                                 int scale_row0,
                                                 int (&value_at)[Consumers::kMmaM][2],
                                                 int (&scale_at)[Consumers::kMmaM][2]) {
@@ -135,7 +136,7 @@ __device__ __forceinline__ void register_a_rows(int warp, int g, int q, int row_
     for (int i = 0; i < 2; ++i) {
       const int tile = Consumers::stage_tile(mh, i);
       const int row = Consumers::tile_row(mh, i, warp, g, row_offset);
-      value_at[mh][i] = (tile * Tile::kBlockN + row) * 64 + 2 * q;
+      value_at[mh][i] = (tile * Tile::kBlockN + row) * 64 + column;
       const int r = scale_row0 + row;  // from the tile's first scale block
       scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
                         (r % 32) * 16 + (r % 128) / 32 * 4;
@@ -234,7 +235,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
     // all the thread's rows (every stage row is g modulo 8).
     const int swizzle = (g >> 1) & 3;
     int value_at[kMmaM][2], scale_at[kMmaM][2];
-    register_a_rows<Tile, Consumers>(warp, g, q, row_offset, scale_row0, value_at, scale_at);
+    register_a_rows<Tile, Consumers>(warp, g, 2 * q, row_offset, scale_row0, value_at, scale_at);
 #pragma unroll
     for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
     uint32_t frag[2][kMmaM][kRound][4];
@@ -577,10 +578,17 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
     static_assert(kChunks == 1 || kBatch == 1, "chunks of one block at a time");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int g = lane / 4, q = lane % 4;
-    // The thread's fragment rows and their scale bytes, as WarpgroupMainloopRS reads them.
+    // The thread's fragment rows r0 (i = 0) and r1 (i = 1) of each m64 block in the stage's weight
+    // atoms, and their scale bytes, as WarpgroupMainloopRS addresses them; but the thread reads a
+    // block's bytes 8 q .. 8 q + 7 of each row with one 8-byte load (x's pre-pass writes the
+    // tokens' K in the matching order, mxfp8_f16_position): 16-byte chunk 2 (b % 2) + q / 2 of
+    // the row's 64-byte atom row, swizzled, and its half q % 2.
     const int swizzle = (g >> 1) & 3;
+    const uint32_t block_chunk[2] = {uint32_t(16 * ((q >> 1) ^ swizzle)),
+                                     uint32_t(16 * ((2 + (q >> 1)) ^ swizzle))};
     int value_at[kMmaM][2], scale_at[kMmaM][2];
-    register_a_rows<Tile, Consumers>(warp, g, q, row_offset, scale_row0, value_at, scale_at);
+    register_a_rows<Tile, Consumers>(warp, g, 8 * (q & 1), row_offset, scale_row0, value_at,
+                                     scale_at);
     // Token 8 j + 2 q + c's scale of block b: [token][block] after the token rows.
     const int token_scale_at = Tile::kTokenBytes + (token_offset + 2 * q) * 16;
     // The stage's weight row scales as fp32, worked out once a stage (WarpgroupMainloopE4m3); at
@@ -646,21 +654,24 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
       for (int b0 = 0; b0 < kBlocks; b0 += kBatch) {
 #pragma unroll
         for (int bb = 0; bb < kBatch; ++bb) {
+          const int b = b0 + bb;
+          const uint32_t chunk = (b / 2) * Tile::kWeightAtomBytes + block_chunk[b % 2];
 #pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            const int kk = 2 * (b0 + bb) + s;
-            // 64-byte rows of K atom kk / 4, 16-byte chunk kk % 4 (swizzled)
-            const uint32_t chunk = (kk / 4) * Tile::kWeightAtomBytes + 16 * ((kk % 4) ^ swizzle);
+          for (int mh = 0; mh < kMmaM; ++mh) {
+            // Bytes m = 0 .. 7 of rows r0 and r1: the pairs m = 0-1 and 2-3 are k16 step 0's
+            // columns 2q, 2q + 1 and 2q + 8, 2q + 9; m = 4-7 the same of step 1.
+            const uint2 w0 = ld_shared_u32x2(weights + value_at[mh][0] + chunk);
+            const uint2 w1 = ld_shared_u32x2(weights + value_at[mh][1] + chunk);
+            frag[bb][mh][0][0] = e4m3x2_to_f16x2(w0.x);
+            frag[bb][mh][0][1] = e4m3x2_to_f16x2(w1.x);
+            frag[bb][mh][0][2] = e4m3x2_hi_to_f16x2(w0.x);
+            frag[bb][mh][0][3] = e4m3x2_hi_to_f16x2(w1.x);
+            frag[bb][mh][1][0] = e4m3x2_to_f16x2(w0.y);
+            frag[bb][mh][1][1] = e4m3x2_to_f16x2(w1.y);
+            frag[bb][mh][1][2] = e4m3x2_hi_to_f16x2(w0.y);
+            frag[bb][mh][1][3] = e4m3x2_hi_to_f16x2(w1.y);
 #pragma unroll
-            for (int mh = 0; mh < kMmaM; ++mh) {
-              const uint32_t r0 = weights + value_at[mh][0] + chunk;
-              const uint32_t r1 = weights + value_at[mh][1] + chunk;
-              frag[bb][mh][s][0] = e4m3x2_to_f16x2(ld_shared_u16(r0));
-              frag[bb][mh][s][1] = e4m3x2_to_f16x2(ld_shared_u16(r1));
-              frag[bb][mh][s][2] = e4m3x2_to_f16x2(ld_shared_u16(r0 + 8));
-              frag[bb][mh][s][3] = e4m3x2_to_f16x2(ld_shared_u16(r1 + 8));
-              wgmma_fence_operands(frag[bb][mh][s]);
-            }
+            for (int s = 0; s < 2; ++s) wgmma_fence_operands(frag[bb][mh][s]);
           }
 #pragma unroll
           for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(tmp[bb][mh]);

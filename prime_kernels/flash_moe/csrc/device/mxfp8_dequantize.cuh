@@ -54,34 +54,38 @@ __global__ void __launch_bounds__(kMxfp8DequantizeThreads)
 }
 
 // x for the register-A forward's decode gate/up tile (ForwardKernels::kF16GateUp) instead: its
-// e4m3 values unscaled as f16 (exact, an e4m3 NaN stays NaN) into out, and its row-major scales
-// as fp32 2^(s - 127) (NaN for 0xFF) into out_scales, which the gate/up GEMM applies to each
-// block's sum (WarpgroupMainloopF16). The same thread per 16 elements; the even one of a block's
-// two threads writes its scale.
+// e4m3 values unscaled as f16 (exact, an e4m3 NaN stays NaN) into out, each 32-wide block's
+// elements in the order the gate/up loop reads its weight bytes (mxfp8_f16_position), and its
+// row-major scales as fp32 2^(s - 127) (NaN for 0xFF) into out_scales, which the gate/up GEMM
+// applies to each block's sum (WarpgroupMainloopF16). A thread per block: two 16-byte loads, four
+// 16-byte stores, its scale.
 struct Mxfp8XToF16Params {
   const uint8_t* values;  // (T, D) e4m3, 16-byte aligned
   const uint8_t* scales;  // (T, D/32) e8m0, row-major
   uint16_t* out;          // (T, D) f16, 16-byte aligned
   float* out_scales;      // (T, D/32)
-  int64_t chunks;         // T * D / 16
+  int64_t blocks;         // T * D / 32
 };
 
 __global__ void __launch_bounds__(kMxfp8DequantizeThreads)
     mxfp8_x_to_f16_kernel(const Mxfp8XToF16Params p) {
-  for (int64_t c = int64_t(blockIdx.x) * kMxfp8DequantizeThreads + threadIdx.x; c < p.chunks;
-       c += int64_t(gridDim.x) * kMxfp8DequantizeThreads) {
-    const uint4 v = reinterpret_cast<const uint4*>(p.values)[c];
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-    uint32_t h[8];
+  for (int64_t blk = int64_t(blockIdx.x) * kMxfp8DequantizeThreads + threadIdx.x; blk < p.blocks;
+       blk += int64_t(gridDim.x) * kMxfp8DequantizeThreads) {
+    const uint4 v0 = reinterpret_cast<const uint4*>(p.values)[2 * blk];
+    const uint4 v1 = reinterpret_cast<const uint4*>(p.values)[2 * blk + 1];
+    const uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    // Element pairs (j, j + 1), j even, land on position pairs (p, p + 1), p even: an f16x2 word.
+    uint32_t h[16];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      h[2 * i] = e4m3x2_to_f16x2(words[i] & 0xFFFFu);
-      h[2 * i + 1] = e4m3x2_to_f16x2(words[i] >> 16);
+    for (int w = 0; w < 8; ++w) {
+      h[mxfp8_f16_position(4 * w) / 2] = e4m3x2_to_f16x2(words[w]);
+      h[mxfp8_f16_position(4 * w + 2) / 2] = e4m3x2_hi_to_f16x2(words[w]);
     }
-    uint4* dst = reinterpret_cast<uint4*>(p.out) + 2 * c;
-    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
-    if (c % 2 == 0) p.out_scales[c / 2] = mxfp8_scale_value(p.scales[c / 2]);
+    uint4* dst = reinterpret_cast<uint4*>(p.out) + 4 * blk;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      dst[c] = make_uint4(h[4 * c], h[4 * c + 1], h[4 * c + 2], h[4 * c + 3]);
+    p.out_scales[blk] = mxfp8_scale_value(p.scales[blk]);
   }
 }
 

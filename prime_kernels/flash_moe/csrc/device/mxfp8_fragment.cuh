@@ -69,6 +69,13 @@ __device__ __forceinline__ uint32_t ld_shared_u8(uint32_t addr) {
   return v;
 }
 
+// The same, 8 bytes (an 8-byte aligned address).
+__device__ __forceinline__ uint2 ld_shared_u32x2(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 // The same, two floats (an 8-byte aligned address).
 __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
   float2 v;
@@ -99,6 +106,25 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
   uint32_t h;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(pair)));
   return h;
+}
+
+// The same of the high 16 bits of word (F2FP's .H1 operand: no shift).
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
+  uint32_t h;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}"
+      : "=r"(h)
+      : "r"(word));
+  return h;
+}
+
+// Where the decode gate/up loop (WarpgroupMainloopF16) wants element j of a 32-wide MX block of
+// the token rows, so that its thread q finds its weight bytes for the block's two k16 steps in
+// one 8-byte read (bytes 8 q .. 8 q + 7 of the row): byte m = j % 8 of thread q = j / 8 is
+// column 2q + m % 2 (m = 0, 1), 2q + 8 + m % 2 (m = 2, 3), and the same plus 16 (m = 4 .. 7) of
+// the wgmma A fragment layout (wgmma.cuh). A permutation inside each block, so each block's sum
+// is still its own: x's pre-pass writes the tokens' K in this order.
+__host__ __device__ constexpr int mxfp8_f16_position(int j) {
+  return 16 * ((j % 8) / 4) + 8 * ((j % 4) / 2) + 2 * (j / 8) + j % 2;
 }
 
 // Row r0's two bytes (lo16_r0: column c in the low byte, c + 1 in the high) and row r1's as one
