@@ -239,3 +239,61 @@ def test_mxfp8_block_reduction_spans_32_columns(interleaved):
                         cols |= {c, c + 1}
             block = 0 if interleaved else (16 * warp) // 32
             assert cols == set(range(32 * block, 32 * block + 32))
+
+
+def mxfp8_f16_position(j: int) -> int:
+    """mxfp8_fragment.cuh's mxfp8_f16_position, transcribed: where x's pre-pass puts element j of
+    a 32-wide block of the f16 token rows."""
+    return 16 * ((j % 8) // 4) + 8 * ((j % 4) // 2) + 2 * (j // 8) + j % 2
+
+
+def test_f16_block_order_is_a_pairwise_permutation():
+    """mxfp8_x_to_f16_kernel stores the f16x2 of elements (j, j + 1), j even, as one word at
+    position mxfp8_f16_position(j): a permutation of the block that keeps those pairs together."""
+    positions = [mxfp8_f16_position(j) for j in range(32)]
+    assert sorted(positions) == list(range(32))
+    for j in range(0, 32, 2):
+        assert positions[j] % 2 == 0 and positions[j + 1] == positions[j] + 1
+
+
+@pytest.mark.parametrize("params", [(64, 64, 2, 768, 384, 256, 128)], ids=["64x64x2"])
+def test_f16_loop_reads_the_blocks_pre_pass_order(params):
+    """WarpgroupMainloopF16 with 8-byte reads (the decode gate/up tile): thread (warp, lane) of
+    consumer c reads bytes 8 (q % 2) of 16-byte chunk 2 (b % 2) + q / 2 (swizzled) of its rows'
+    K atom b / 2, and takes bytes 4 s .. 4 s + 3 as k16 step s's a[0] / a[2] pairs. Its fragment
+    register reg of step s must then hold, at wgmma column p, the weight of the K index whose token
+    value the pre-pass put at p: element j of the block with mxfp8_f16_position(j) = p."""
+    cfg = Config(*params)
+    experts = 2
+    rows, k = experts * cfg.rows_per_expert, cfg.k_dim
+    weights = np.arange(rows * k, dtype=np.int64).reshape(rows, k)
+    scale_ids = torch.arange(rows * (k // 32), dtype=torch.int64).reshape(experts, -1, k // 32)
+    packed = mxfp8.pack_scales_blocked(scale_ids).reshape(experts, -1).numpy()
+    element_at = {mxfp8_f16_position(j): j for j in range(32)}
+    expert = 1
+    for kb in range(k // BLOCK_K):
+        smem = stage_bytes(cfg, weights, packed, expert, kb)
+        for c in range(2):
+            for warp in range(4):
+                for lane in range(32):
+                    g, q = lane // 4, lane % 4
+                    swizzle = (g >> 1) & 3
+                    value_at = [
+                        cfg.stage_row(0, i, warp, g, cfg.n_offset(c)) * 64 + 8 * (q & 1)
+                        for i in range(2)
+                    ]
+                    block_chunk = [16 * ((q >> 1) ^ swizzle), 16 * ((2 + (q >> 1)) ^ swizzle)]
+                    for b in range(BLOCK_K // 32):
+                        chunk = (b // 2) * cfg.weight_atom_bytes + block_chunk[b % 2]
+                        w = [smem[v + chunk : v + chunk + 8] for v in value_at]  # rows r0, r1
+                        for s in range(2):
+                            a = [w[0][4 * s : 4 * s + 2], w[1][4 * s : 4 * s + 2]]
+                            a += [w[0][4 * s + 2 : 4 * s + 4], w[1][4 * s + 2 : 4 * s + 4]]
+                            for reg in range(4):
+                                m = 16 * warp + g + 8 * (reg % 2)
+                                tile, out_col = cfg.meaning(c, 0, m)
+                                row = expert * cfg.rows_per_expert + tile * cfg.second_offset
+                                p = 16 * s + 2 * q + 8 * (reg // 2)
+                                cols = [kb * BLOCK_K + 32 * b + element_at[p + e] for e in (0, 1)]
+                                want = weights[row + out_col, cols]
+                                assert list(a[reg]) == list(want), (c, warp, lane, b, s, reg)
