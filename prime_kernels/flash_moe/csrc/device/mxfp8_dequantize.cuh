@@ -20,6 +20,7 @@
 #include "mxfp8_fragment.cuh"
 #include "mxfp8_loaders.cuh"
 #include "mxfp8_quantize.cuh"
+#include "prime_kernels/grid_dependency.cuh"
 
 namespace prime_moe {
 
@@ -69,6 +70,9 @@ struct Mxfp8XToF16Params {
 
 __global__ void __launch_bounds__(kMxfp8DequantizeThreads)
     mxfp8_x_to_f16_kernel(const Mxfp8XToF16Params p) {
+  // Launched as a programmatic dependent at decode sizes (fused_moe_mxfp8.cu): x may come from
+  // the kernel before it, whose writes are visible only past this wait.
+  prime_kernels::grid_dependency_wait();
   for (int64_t blk = int64_t(blockIdx.x) * kMxfp8DequantizeThreads + threadIdx.x; blk < p.blocks;
        blk += int64_t(gridDim.x) * kMxfp8DequantizeThreads) {
     const uint4 v0 = reinterpret_cast<const uint4*>(p.values)[2 * blk];
