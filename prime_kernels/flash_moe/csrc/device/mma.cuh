@@ -499,10 +499,11 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
 };
 
 // The f16 consumer loop of the decode gate/up tile (RegisterAConsumers on MoeGemmTileRS with
-// kF16Tokens): the register-A loop's operands with the e4m3 loop's promotion. Per k16 step a
-// thread reads its weight rows' e4m3 byte pairs as the register-A loop does and converts each
-// pair by one cvt.rn.f16x2.e4m3x2 to f16, unscaled (exact: e4m3's range is inside f16's); the
-// token rows are x's unscaled e4m3 values as f16 (x's pre-pass). Per 32-wide MX block two f16
+// kF16Tokens): the register-A loop's operands with the e4m3 loop's promotion. Per 32-wide MX
+// block a thread reads 8 bytes of each of its two weight rows with one LDS.64 and converts each
+// byte pair by one cvt.rn.f16x2.e4m3x2 to f16, unscaled (exact: e4m3's range is inside f16's);
+// the token rows are x's unscaled e4m3 values as f16, each block's K in the order those reads
+// give the fragments (x's pre-pass, mxfp8_f16_position). Per block two f16
 // wgmma RS sum the block's exact products into a temporary, which the thread adds into its fp32
 // accumulators times the weight row's scale and the token's, as WarpgroupMainloopE4m3 does.
 //
@@ -510,13 +511,14 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
 // fragment word, NaN flags, the scale tests) made the gate/up GEMM issue-bound: ncu, H100,
 // Qwen3-30B-A3B T = 64: issue slots 70% busy, about 426 instructions a warp per 128-wide stage at
 // N = 16, and on an H200 the MXFP8 decode call ran barely faster than on an H100 (benchmarks/
-// RESULTS.md twenty-third session). Here a block costs 8 loads, 8 conversions, 2 wgmmas and the
-// promotion's 2 N/8 fp32 operations a thread. SASS of the N = 16 loop: about 280 instructions a
-// warp per 128-wide stage on the fast path (32 LDS.U16 and 32 F2FP, 32 FMUL and 32 FFMA, 8 LDS.64
-// of token scales), against about 426 executed by the widening loop (ncu). H100, moe_align +
-// fused_moe_mxfp8 at T = 64 against the widening loop: 1.058x Qwen3-30B-A3B, 1.017x DeepSeek-V3-32,
-// where memory comes close to binding. At N = 64 the promotion costs about what the widening does,
-// so the loop is the 64 x 64 tile's only.
+// RESULTS.md twenty-third session). Here a block costs 2 loads, 8 conversions, 2 wgmmas and the
+// promotion's 2 N/8 fp32 operations a thread. The N = 16 loop: 314 SASS instructions a warp per
+// 128-wide stage (8 LDS.64 and 32 F2FP for the weights, 32 FMUL and 32 FFMA for the promotion),
+// 295 executed a stage under ncu, against about 426 executed by the widening loop. H100, moe_align
+// + fused_moe_mxfp8 at T = 64 against the widening loop: 1.058x Qwen3-30B-A3B, 1.017x
+// DeepSeek-V3-32 with byte-pair reads (LDS.U16), 1.003-1.012x more with the 8-byte reads, where
+// memory comes close to binding. At N = 64 the promotion costs about what the widening does, so
+// the loop is the 64 x 64 tile's only.
 //
 // Numerics: f16 products of two 4-bit significands are exact and the tensor core sums f16
 // products as it sums bf16 ones (fp32); each block's promotion rounds once in fp32: exact MX to
