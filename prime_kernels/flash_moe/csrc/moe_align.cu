@@ -5,7 +5,7 @@
 //      the first row that chunk's pairs of each expert go to; it also writes expert_ids and
 //      the padded total;
 //   3. one warp per chunk walks its pairs in index order and places them, ranking equal
-//      experts inside a step with __match_any_sync, so each segment is stable by pair index.
+//      experts inside a step (lanes_with_expert), so each segment is stable by pair index.
 // Passes 2 and 3 launch as programmatic dependents of the pass before (grid_dependency.cuh).
 // At decode and small prefill sizes one block does the whole align instead (moe_align_small).
 #include <cub/block/block_scan.cuh>
@@ -28,6 +28,23 @@ static_assert(kMoeAlignChunk % 32 == 0, "a chunk is whole warp steps");
 
 __device__ __forceinline__ bool routed(int32_t expert, int num_experts) {
   return expert >= 0 && expert < num_experts;
+}
+
+// The lanes of the warp holding this lane's expert (-1 for a pair routed nowhere): what
+// __match_any_sync returns, by one ballot per bit of expert + 1 (expert_bits of them). MATCH.ANY
+// resolves one warp's distinct values in turn and the SM's warps wait on each other for it: at
+// 8192 pairs over 128 experts (8 steps of 32 warps) moe_align_small took 23.6 us of the forward's
+// timeline against 6.9 at 512 pairs (one step; H100, Qwen3-30B-A3B T = 1024 and 64).
+__device__ __forceinline__ int expert_bits(int num_experts) { return 32 - __clz(num_experts); }
+__device__ __forceinline__ unsigned lanes_with_expert(int32_t expert, int bits) {
+  const uint32_t value = uint32_t(expert + 1);
+  unsigned peers = 0xffffffffu;
+  for (int b = 0; b < bits; ++b) {
+    const bool set = (value >> b) & 1u;
+    const unsigned voted = __ballot_sync(0xffffffffu, set);
+    peers &= set ? voted : ~voted;
+  }
+  return peers;
 }
 
 __global__ void __launch_bounds__(kHistogramThreads)
@@ -169,6 +186,7 @@ __device__ __forceinline__ void align_scatter_chunk(const int32_t* __restrict__ 
                                                     int32_t* __restrict__ sorted_token_ids) {
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1;
+  const int bits = expert_bits(num_experts);
   for (int batch = 0; batch < kMoeAlignChunk; batch += 32 * kStepBatch) {
     int32_t experts[kStepBatch];
 #pragma unroll
@@ -182,7 +200,7 @@ __device__ __forceinline__ void align_scatter_chunk(const int32_t* __restrict__ 
       int32_t expert = experts[j];
       const bool keep = routed(expert, num_experts);
       if (!keep) expert = -1;
-      const unsigned peers = __match_any_sync(0xffffffffu, expert);
+      const unsigned peers = lanes_with_expert(expert, bits);
       int32_t row = 0;
       if (keep) row = next_row[expert] + __popc(peers & lanes_below);
       __syncwarp();
@@ -237,7 +255,7 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
 // barriers. This one takes 6.3 us there, every phase spread over the block and short:
 //   1. warp w < runs loads its run of steps * 32 consecutive pairs into registers (one load
 //      latency for all), while the block fills sorted_token_ids with -1 and zeroes the bins;
-//   2. per step, lanes with one expert find each other (__match_any_sync) and the first adds
+//   2. per step, lanes with one expert find each other (lanes_with_expert) and the first adds
 //      their number to bin (w, e) with a shared atomic whose old value is how many of e the
 //      warp's earlier steps held: each pair's rank in its run, kept in a register;
 //   3. thread e owns expert e's column of bins: its total, a block scan of padded totals (the
@@ -294,11 +312,12 @@ __global__ void __launch_bounds__(kScanThreads)
   static_assert(32 * kSmallSteps <= 256, "a rank fits 8 bits");
   if (has_run) {
     const unsigned lanes_below = (1u << lane) - 1;
+    const int bits = expert_bits(num_experts);
 #pragma unroll
     for (int s = 0; s < kSmallSteps; ++s) {
       if (s >= steps) break;
       const int32_t e = routed(expert[s], num_experts) ? expert[s] : -1;
-      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      const unsigned peers = lanes_with_expert(e, bits);
       const int first = __ffs(peers) - 1;
       int32_t before = 0;
       if (lane == first && e >= 0) before = atomicAdd(&bins[warp * num_experts + e], __popc(peers));
