@@ -32,10 +32,9 @@ __device__ __forceinline__ bool routed(int32_t expert, int num_experts) {
 }
 
 // The lanes of the warp holding this lane's expert (-1 for a pair routed nowhere): what
-// __match_any_sync returns, by one ballot per bit of expert + 1 (expert_bits of them). MATCH.ANY
-// resolves one warp's distinct values in turn and the SM's warps wait on each other for it: at
-// 8192 pairs over 128 experts (8 steps of 32 warps) moe_align_small took 23.6 us of the forward's
-// timeline against 6.9 at 512 pairs (one step; H100, Qwen3-30B-A3B T = 1024 and 64).
+// __match_any_sync returns, by one ballot per bit of expert + 1 (expert_bits of them). Measured
+// against MATCH.ANY (ncu, H100, Qwen3-30B-A3B T = 1024: 8192 pairs over 128 experts, 8 steps of 32
+// warps in moe_align_small): the block 25.8 us instead of 30.7.
 __device__ __forceinline__ int expert_bits(int num_experts) {
   return 32 - __clz(num_experts);
 }
@@ -268,7 +267,9 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
 // Up to kSmallStagedRows padded rows, sorted_token_ids is built in shared memory (the -1 fill
 // and phase 4's scattered rows) and written out once, coalesced: phase 4's scattered 4-byte stores
 // to global memory, and the shared loads between them, held 36% of the block's stall samples at
-// 8192 pairs (ncu, H100, Qwen3-30B-A3B T = 1024; the block took 25.8 us).
+// 8192 pairs (ncu, H100, Qwen3-30B-A3B T = 1024); staged, the block takes 19.4 us instead of
+// 25.8 (orig T = 1024: 13.6 instead of 15.7), and the forward at T = 1024 1.00-1.02x (bf16) and
+// 1.00-1.03x (MXFP8) in all five benchmark configs, T = 64 unchanged.
 constexpr int kSmallSteps = 8;           // a warp's pairs and ranks sit in 2 x 8 registers
 constexpr int kSmallBins = 8192;         // 32 KB of shared memory: (run, expert) counts
 constexpr int64_t kSmallRows = 65536;    // the -1 fill: 64 coalesced stores a thread
