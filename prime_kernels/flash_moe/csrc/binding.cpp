@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -73,16 +74,19 @@ std::tuple<Tensor, Tensor, Tensor> moe_align(Tensor topk_ids, int64_t num_expert
   Tensor sorted_token_ids = torch::stable::new_empty(topk_ids, {max_padded});
   Tensor expert_ids = torch::stable::new_empty(topk_ids, {max_padded / block_m});
   Tensor num_tokens_post_padded = torch::stable::new_empty(topk_ids, {1});
-  const int64_t workspace_elems = moe_align_num_chunks(num_pairs) * num_experts;
-  Tensor workspace =
-      torch::stable::new_empty(topk_ids, {workspace_elems > 0 ? workspace_elems : 1});
+  // Allocated only where the three passes run: at decode sizes each allocation is host time.
+  const int64_t workspace_elems =
+      int64_t(moe_align_workspace_bytes(num_pairs, num_experts, max_padded) / sizeof(int32_t));
+  std::optional<Tensor> workspace;
+  if (workspace_elems > 0) workspace = torch::stable::new_empty(topk_ids, {workspace_elems});
   check_cuda(op,
              launch_moe_align(topk_ids.const_data_ptr<int32_t>(), num_pairs,
                               static_cast<int>(num_experts), static_cast<int>(block_m),
                               static_cast<int>(bpc), sorted_token_ids.mutable_data_ptr<int32_t>(),
                               expert_ids.mutable_data_ptr<int32_t>(),
                               num_tokens_post_padded.mutable_data_ptr<int32_t>(), max_padded,
-                              workspace.mutable_data_ptr<int32_t>(), current_stream(device)));
+                              workspace ? workspace->mutable_data_ptr<int32_t>() : nullptr,
+                              current_stream(device)));
   return {sorted_token_ids, expert_ids, num_tokens_post_padded};
 }
 

@@ -403,6 +403,11 @@ bool allow_staged_rows() {
 
 }  // namespace
 
+size_t moe_align_workspace_bytes(int64_t num_pairs, int64_t num_experts, int64_t max_padded) {
+  if (num_experts < 1 || align_in_one_block(num_pairs, int(num_experts), max_padded)) return 0;
+  return static_cast<size_t>(moe_align_num_chunks(num_pairs)) * num_experts * sizeof(int32_t);
+}
+
 cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num_experts,
                              int block_m, int bpc, int32_t* sorted_token_ids, int32_t* expert_ids,
                              int32_t* num_tokens_post_padded, int64_t max_padded,

@@ -22,10 +22,9 @@ inline int64_t moe_align_max_padded(int64_t num_pairs, int64_t num_experts, int6
   return (num_pairs + num_experts * (pad - 1) + pad - 1) / pad * pad;
 }
 
-// Scratch: one int32 per (chunk, expert).
-inline size_t moe_align_workspace_bytes(int64_t num_pairs, int64_t num_experts) {
-  return static_cast<size_t>(moe_align_num_chunks(num_pairs)) * num_experts * sizeof(int32_t);
-}
+// Scratch of the three-pass align: one int32 per (chunk, expert); none where one block aligns
+// (decode and small prefill sizes), whose caller then need not allocate it.
+size_t moe_align_workspace_bytes(int64_t num_pairs, int64_t num_experts, int64_t max_padded);
 
 // topk_ids: (num_pairs,) int32 on the device. Ids outside [0, num_experts) are dropped.
 // Writes sorted_token_ids (max_padded), expert_ids (max_padded / block_m; -1 past the

@@ -18,9 +18,22 @@ inline size_t align256(size_t bytes) {
   return (bytes + 255) & ~size_t(255);
 }
 
+// A device attribute, asked of the runtime once per device (a call takes about 0.3 us of host
+// time, and an op asked up to 18 a call; at decode sizes the host bounds the call: launch_gemm).
 inline int device_attribute(cudaDeviceAttr attr, int device) {
+  constexpr int kDevices = 64, kAttributes = 256;
+  static std::atomic<int> known[kDevices][kAttributes] = {};
+  const bool cached = device >= 0 && device < kDevices && int(attr) >= 0 && int(attr) < kAttributes;
+  if (cached) {
+    const int value = known[device][attr].load(std::memory_order_relaxed);
+    if (value != 0) return value;
+  }
   int value = 0;
-  if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // returned as 0: not left for the next launch check to find
+    return 0;
+  }
+  if (cached) known[device][attr].store(value, std::memory_order_relaxed);
   return value;
 }
 
@@ -88,16 +101,21 @@ cudaError_t max_active_clusters(int device, int stages, int* clusters) {
   return cudaSuccess;
 }
 
+// Kernel's function attributes for a launch with smem bytes of dynamic shared memory, set once
+// per device (the allowance only grows). Each cudaFuncSetAttribute took about 1.4 us of host time
+// and an op made four a call; at decode sizes the host bounds the MXFP8 call (H100 host, orig T =
+// 64: 103 us of host time a call, 105 us a call back to back; torch.profiler).
 template <class Kernel>
-cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
-                        const MoeGemmParams& params, int num_sms, cudaStream_t stream,
-                        bool dependent = false) {
-  using Tile = typename Kernel::Tile;
-  constexpr int kClusterM = Kernel::kClusterM;
+cudaError_t prepare_gemm_function(size_t smem) {
+  constexpr int kDevices = 64;
+  static std::atomic<size_t> allowed[kDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cached = device >= 0 && device < kDevices;
+  if (cached && smem <= allowed[device].load(std::memory_order_relaxed)) return cudaSuccess;
   auto* kernel = moe_gemm_kernel<Kernel>;
-  const size_t smem = Kernel::smem_bytes(params.stages);
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   if constexpr (Kernel::kCtasPerSm > 1) {
     // Two CTAs' shared memory on one SM needs the largest carveout; the default lets the
@@ -106,6 +124,24 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
                                cudaSharedmemCarveoutMaxShared);
     if (err != cudaSuccess) return err;
   }
+  if (cached) {
+    size_t seen = allowed[device].load(std::memory_order_relaxed);
+    while (smem > seen && !allowed[device].compare_exchange_weak(seen, smem)) {
+    }
+  }
+  return cudaSuccess;
+}
+
+template <class Kernel>
+cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
+                        const MoeGemmParams& params, int num_sms, cudaStream_t stream,
+                        bool dependent = false) {
+  using Tile = typename Kernel::Tile;
+  constexpr int kClusterM = Kernel::kClusterM;
+  auto* kernel = moe_gemm_kernel<Kernel>;
+  const size_t smem = Kernel::smem_bytes(params.stages);
+  cudaError_t err = prepare_gemm_function<Kernel>(smem);
+  if (err != cudaSuccess) return err;
   // Persistent: kCtasPerSm CTAs per SM (or fewer when even the largest routing has fewer tiles); in
   // clusters, as many whole clusters as fit the SMs at once, at least one (set_num_sms(1) gets
   // one cluster of two CTAs). Under a set_num_sms cap below the device's SMs, one CTA per SM:
