@@ -18,8 +18,9 @@ inline size_t align256(size_t bytes) {
   return (bytes + 255) & ~size_t(255);
 }
 
-// A device attribute, asked of the runtime once per device (a call takes about 0.3 us of host
-// time, and an op asked up to 18 a call; at decode sizes the host bounds the call: launch_gemm).
+// A device attribute, asked of the runtime once per device: a forward call asked 18 of them
+// (torch.profiler, about 0.3 us of host time each), and at decode sizes the host's time a call
+// comes close to the GPU's (launch_gemm).
 inline int device_attribute(cudaDeviceAttr attr, int device) {
   constexpr int kDevices = 64, kAttributes = 256;
   static std::atomic<int> known[kDevices][kAttributes] = {};
@@ -102,9 +103,10 @@ cudaError_t max_active_clusters(int device, int stages, int* clusters) {
 }
 
 // Kernel's function attributes for a launch with smem bytes of dynamic shared memory, set once
-// per device (the allowance only grows). Each cudaFuncSetAttribute took about 1.4 us of host time
-// and an op made four a call; at decode sizes the host bounds the MXFP8 call (H100 host, orig T =
-// 64: 103 us of host time a call, 105 us a call back to back; torch.profiler).
+// per device (the allowance only grows): a forward call made four cudaFuncSetAttribute calls of
+// about 1.4 us each. At decode sizes the host's time a call comes close to the GPU's (H100 host,
+// MXFP8 at orig T = 64: 64-103 us of host time a call over three processes, against 97-105 us a
+// call back to back on the GPU).
 template <class Kernel>
 cudaError_t prepare_gemm_function(size_t smem) {
   constexpr int kDevices = 64;
