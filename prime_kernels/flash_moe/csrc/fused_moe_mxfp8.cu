@@ -110,10 +110,10 @@ cudaError_t widen(const uint8_t* values, const uint8_t* scales, __nv_bfloat16* o
 
 // Enqueues mxfp8_x_to_f16_kernel over x (T, D): unscaled f16 values and fp32 scales. At decode
 // sizes as a programmatic dependent of the kernel before it (moe_align, as a model calls the op),
-// as the forward's GEMMs are: its launch then overlaps that kernel's end instead of following it
-// (H100 timeline, Qwen3-30B-A3B T = 64: a plain launch started 2.1 us after moe_align's end, this
-// one starts as it ends; the whole call 1.003-1.006x), and its wait, first thing, keeps the order
-// (grid_dependency.cuh).
+// as the forward's GEMMs are: its blocks then start as moe_align's exit, without a launch's latency
+// between them (H100 timeline, Qwen3-30B-A3B T = 64: a plain launch started 2.1 us after
+// moe_align's end, this one as it ends; the whole call 1.003-1.006x), and its wait, first thing,
+// keeps the order (grid_dependency.cuh).
 cudaError_t x_to_f16(const FusedMoeMxfp8Problem& pr, uint16_t* out, float* out_scales,
                      cudaStream_t stream) {
   const Mxfp8XToF16Params p{pr.x, pr.x_scales, out, out_scales,

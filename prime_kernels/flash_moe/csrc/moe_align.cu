@@ -256,7 +256,8 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
 // experts, 64-bit column walks, then the chunk's serial scatter), 47% of warp cycles waiting at
 // barriers. This one takes 6.3 us there, every phase spread over the block and short:
 //   1. warp w < runs loads its run of steps * 32 consecutive pairs into registers (one load
-//      latency for all), while the block fills sorted_token_ids with -1 and zeroes the bins;
+//      latency for all), while the block fills the rows with -1 (sorted_token_ids, or their
+//      staged copy: below) and zeroes the bins;
 //   2. per step, lanes with one expert find each other (lanes_with_expert) and the first adds
 //      their number to bin (w, e) with a shared atomic whose old value is how many of e the
 //      warp's earlier steps held: each pair's rank in its run, kept in a register;
@@ -273,7 +274,7 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
 constexpr int kSmallSteps = 8;           // a warp's pairs and ranks sit in 2 x 8 registers
 constexpr int kSmallBins = 8192;         // 32 KB of shared memory: (run, expert) counts
 constexpr int64_t kSmallRows = 65536;    // the -1 fill: 64 coalesced stores a thread
-constexpr int kSmallStagedRows = 40960;  // 160 KB beside the bins: 227 KB a block on sm_90
+constexpr int kSmallStagedRows = 40960;  // 160 KB: with the bins, 196 KB of sm_90's 227 a block
 constexpr int kSmallWarps = kScanThreads / 32;
 static_assert(kMaxExperts <= kSmallBins, "at least one run at the most experts");
 

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 
 #include "device/moe_gemm.cuh"
 #include "fused_moe_bf16.h"
@@ -102,36 +103,43 @@ cudaError_t max_active_clusters(int device, int stages, int* clusters) {
   return cudaSuccess;
 }
 
-// Kernel's function attributes for a launch with smem bytes of dynamic shared memory, set once
-// per device (the allowance only grows): a forward call made four cudaFuncSetAttribute calls of
-// about 1.4 us each. At decode sizes the host's time a call comes close to the GPU's (H100 host,
-// MXFP8 at orig T = 64: 64-103 us of host time a call over three processes, against 97-105 us a
-// call back to back on the GPU).
+// Kernel's function attributes for a launch with smem bytes of dynamic shared memory.
 template <class Kernel>
-cudaError_t prepare_gemm_function(size_t smem) {
-  constexpr int kDevices = 64;
-  static std::atomic<size_t> allowed[kDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool cached = device >= 0 && device < kDevices;
-  if (cached && smem <= allowed[device].load(std::memory_order_relaxed)) return cudaSuccess;
+cudaError_t set_gemm_function_attributes(size_t smem) {
   auto* kernel = moe_gemm_kernel<Kernel>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   if constexpr (Kernel::kCtasPerSm > 1) {
     // Two CTAs' shared memory on one SM needs the largest carveout; the default lets the
     // driver pick one that may fit only one.
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                cudaSharedmemCarveoutMaxShared);
-    if (err != cudaSuccess) return err;
   }
-  if (cached) {
-    size_t seen = allowed[device].load(std::memory_order_relaxed);
-    while (smem > seen && !allowed[device].compare_exchange_weak(seen, smem)) {
-    }
-  }
-  return cudaSuccess;
+  return err;
+}
+
+// The same, set once per device (the allowance only grows): a forward call made four
+// cudaFuncSetAttribute calls of about 1.4 us each. At decode sizes the host's time a call comes
+// close to the GPU's (H100 host, MXFP8 at orig T = 64: 64-103 us of host time a call over three
+// processes, against 97-105 us a call back to back on the GPU).
+template <class Kernel>
+cudaError_t prepare_gemm_function(size_t smem) {
+  constexpr int kDevices = 64;
+  static std::atomic<size_t> allowed[kDevices] = {};
+  // The attribute is an absolute value: it is set, and the allowance raised, under one lock, so
+  // that a thread setting less cannot undo another's larger setting while the cache keeps it.
+  static std::mutex raising;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kDevices) return set_gemm_function_attributes<Kernel>(smem);
+  if (smem <= allowed[device].load(std::memory_order_acquire)) return cudaSuccess;
+  const std::lock_guard<std::mutex> lock(raising);
+  if (smem <= allowed[device].load(std::memory_order_relaxed)) return cudaSuccess;
+  err = set_gemm_function_attributes<Kernel>(smem);
+  if (err == cudaSuccess) allowed[device].store(smem, std::memory_order_release);
+  return err;
 }
 
 template <class Kernel>

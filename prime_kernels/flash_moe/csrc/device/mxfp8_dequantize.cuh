@@ -2,15 +2,17 @@
 // 32 consecutive elements of a row) to a bf16 (rows, K) workspace, each element
 // value * 2^(s - 127), exact above about 2^-130 (mxfp8_loaders.cuh); a scale byte 0xFF makes its
 // block NaN, an e4m3 NaN byte its element.
-//   x (always): row-major scales. The gate/up GEMM then gathers token rows from the workspace as
-//     the bf16 forward gathers them from x: the gather is per row and needs no per-K-step scale,
-//     and x (T x D) is small next to the weights it meets.
+//   x (except for the decode tiles' f16 gate/up loop: mxfp8_x_to_f16_kernel, below): row-major
+//     scales. The gate/up GEMM then gathers token rows from the workspace as the bf16 forward
+//     gathers them from x: the gather is per row and needs no per-K-step scale, and x (T x D) is
+//     small next to the weights it meets.
 //   w, w2 (prefill sizes, fused_moe_mxfp8.cu): scales in the blocked layout per group of n_rows
 //     rows (an expert's 2H or D). Each weight element is widened once, however many token blocks
 //     meet it; the bf16 GEMMs then read the widened weights by TMA.
 //
-// A thread per 16 elements (a grid-stride loop past the launcher's grid): a 16-byte load, its scale
-// byte (flat element e has scale e / 32, since K % 32 == 0), two 16-byte stores. Memory-bound.
+// mxfp8_dequantize_kernel: a thread per 16 elements (a grid-stride loop past the launcher's grid):
+// a 16-byte load, its scale byte (flat element e has scale e / 32, since K % 32 == 0), two 16-byte
+// stores. Memory-bound.
 #pragma once
 
 #include <cuda_bf16.h>
