@@ -145,16 +145,21 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("params", CONFIGS, ids=lambda p: "x".join(map(str, p[:3])))
-def test_fragments_address_their_weights_and_scales(params):
-    cfg = Config(*params)
-    experts = 2
+def numbered_weights(cfg, experts=2):
+    """Two experts' weights numbered by flat index (rows, K), their scales' ids (expert, row, K /
+    32), and those packed in the blocked layout, per expert: each value names where it came from."""
     rows, k = experts * cfg.rows_per_expert, cfg.k_dim
     weights = np.arange(rows * k, dtype=np.int64).reshape(rows, k)
     scale_ids = torch.arange(rows * (k // 32), dtype=torch.int64).reshape(experts, -1, k // 32)
-    packed = mxfp8.pack_scales_blocked(scale_ids).reshape(experts, -1).numpy()
+    return weights, scale_ids, mxfp8.pack_scales_blocked(scale_ids).reshape(experts, -1).numpy()
+
+
+@pytest.mark.parametrize("params", CONFIGS, ids=lambda p: "x".join(map(str, p[:3])))
+def test_fragments_address_their_weights_and_scales(params):
+    cfg = Config(*params)
+    weights, scale_ids, packed = numbered_weights(cfg)
     expert = 1
-    for kb in range(k // BLOCK_K):
+    for kb in range(cfg.k_dim // BLOCK_K):
         smem = stage_bytes(cfg, weights, packed, expert, kb)
         for c in range(2):
             frags = consumer_fragments(cfg, smem, c, kb)
@@ -264,14 +269,10 @@ def test_f16_loop_reads_the_blocks_pre_pass_order(params):
     register reg of step s must then hold, at wgmma column p, the weight of the K index whose token
     value the pre-pass put at p: element j of the block with mxfp8_f16_position(j) = p."""
     cfg = Config(*params)
-    experts = 2
-    rows, k = experts * cfg.rows_per_expert, cfg.k_dim
-    weights = np.arange(rows * k, dtype=np.int64).reshape(rows, k)
-    scale_ids = torch.arange(rows * (k // 32), dtype=torch.int64).reshape(experts, -1, k // 32)
-    packed = mxfp8.pack_scales_blocked(scale_ids).reshape(experts, -1).numpy()
+    weights, _, packed = numbered_weights(cfg)
     element_at = {mxfp8_f16_position(j): j for j in range(32)}
     expert = 1
-    for kb in range(k // BLOCK_K):
+    for kb in range(cfg.k_dim // BLOCK_K):
         smem = stage_bytes(cfg, weights, packed, expert, kb)
         for c in range(2):
             for warp in range(4):
