@@ -120,6 +120,15 @@ __device__ __forceinline__ auto with_token_n(int n_tokens, F&& f) {
   return f(std::integral_constant<int, kMaxN>{});
 }
 
+// Byte offset in a stage's B buffer of weight row r's scale word (the stage's four 32-blocks of
+// the row, a byte each) in weight tile `tile`: the blocked layout's 128-row scale tiles
+// (mxfp8_loaders.cuh) after the tiles' weight bytes; r counts from the tile's first scale block.
+template <class Tile>
+__device__ __forceinline__ int stage_scale_word(int tile, int r) {
+  return Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 + (r % 32) * 16 +
+         (r % 128) / 32 * 4;
+}
+
 // The register-A consumers' per-thread addresses in a stage's B buffer (WarpgroupMainloopRS and
 // WarpgroupMainloopF16): byte offsets of the thread's fragment rows r0 (i = 0) and r1 (i = 1) of
 // each m64 block (Consumers::stage_row) in the stage's K atom 0, at the thread's first byte column
@@ -137,9 +146,7 @@ __device__ __forceinline__ void register_a_rows(int warp, int g, int column, int
       const int tile = Consumers::stage_tile(mh, i);
       const int row = Consumers::tile_row(mh, i, warp, g, row_offset);
       value_at[mh][i] = (tile * Tile::kBlockN + row) * 64 + column;
-      const int r = scale_row0 + row;  // from the tile's first scale block
-      scale_at[mh][i] = Tile::kWeightBytes + (tile * Tile::kScaleBlocks + r / 128) * 512 +
-                        (r % 32) * 16 + (r % 128) / 32 * 4;
+      scale_at[mh][i] = stage_scale_word<Tile>(tile, scale_row0 + row);
     }
   }
 }
@@ -406,8 +413,8 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
     for (int mh = 0; mh < kMmaM; ++mh) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int r = scale_row0 + row_offset + 64 * mh + 16 * warp + 8 * i + g;
-        scale_at[mh][i] = Tile::kWeightBytes + (r / 128) * 512 + (r % 32) * 16 + (r % 128) / 32 * 4;
+        scale_at[mh][i] =
+            stage_scale_word<Tile>(0, scale_row0 + row_offset + 64 * mh + 16 * warp + 8 * i + g);
       }
     }
     const int token_scale_at = Tile::kTokenBytes + (token_offset + 2 * q) * 4;
