@@ -8,7 +8,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <mutex>
+#include <utility>
 
 #include "device/moe_gemm.cuh"
 #include "fused_moe_bf16.h"
@@ -70,11 +72,11 @@ inline bool aligned16(const void* ptr) {
 }
 
 // How many clusters of Kernel with `stages` stages the device runs at once (not every SM
-// pairs up: clusters live inside a GPC), into *clusters. Needs Kernel's dynamic shared memory
-// attribute set first (launch_gemm). Asked once per kernel, device and ring depth (a failed
-// query is not kept).
+// pairs up: clusters live inside a GPC), into *clusters. Asks of `kernel`, the stub launch_gemm
+// launches, whose dynamic shared memory allowance it has raised (allow_dynamic_smem). Asked once
+// per kernel, device and ring depth (a failed query is not kept).
 template <class Kernel>
-cudaError_t max_active_clusters(int device, int stages, int* clusters) {
+cudaError_t max_active_clusters(const void* kernel, int device, int stages, int* clusters) {
   constexpr int kDevices = 64, kDepths = 16;
   static std::atomic<int> known[kDevices][kDepths] = {};
   const bool cached = device >= 0 && device < kDevices && stages >= 0 && stages < kDepths;
@@ -92,8 +94,7 @@ cudaError_t max_active_clusters(int device, int stages, int* clusters) {
   cluster.val.clusterDim.z = 1;
   config.attrs = &cluster;
   config.numAttrs = 1;
-  const cudaError_t err =
-      cudaOccupancyMaxActiveClusters(clusters, moe_gemm_kernel<Kernel>, &config);
+  const cudaError_t err = cudaOccupancyMaxActiveClusters(clusters, kernel, &config);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // returned here: not left for the next launch check to find
     return err;
@@ -103,42 +104,35 @@ cudaError_t max_active_clusters(int device, int stages, int* clusters) {
   return cudaSuccess;
 }
 
-// Kernel's function attributes for a launch with smem bytes of dynamic shared memory.
-template <class Kernel>
-cudaError_t set_gemm_function_attributes(size_t smem) {
-  auto* kernel = moe_gemm_kernel<Kernel>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
-  if constexpr (Kernel::kCtasPerSm > 1) {
-    // Two CTAs' shared memory on one SM needs the largest carveout; the default lets the
-    // driver pick one that may fit only one.
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
-  }
-  return err;
-}
-
-// The same, set once per device (the allowance only grows): a forward call made four
-// cudaFuncSetAttribute calls of about 1.4 us each. At decode sizes the host's time a call comes
-// close to the GPU's (H100 host, MXFP8 at orig T = 64: 64-103 us of host time a call over three
-// processes, against 97-105 us a call back to back on the GPU).
-template <class Kernel>
-cudaError_t prepare_gemm_function(size_t smem) {
-  constexpr int kDevices = 64;
-  static std::atomic<size_t> allowed[kDevices] = {};
-  // The attribute is an absolute value: it is set, and the allowance raised, under one lock, so
-  // that a thread setting less cannot undo another's larger setting while the cache keeps it.
-  static std::mutex raising;
+// A kernel's dynamic shared memory allowance raised to at least smem bytes on the current device
+// (with the largest carveout where two CTAs share an SM), set once per kernel and device: the
+// allowance only grows, and a forward call made four cudaFuncSetAttribute calls of about 1.4 us
+// each. At decode sizes the host's time a call comes close to the GPU's (H100 host, MXFP8 at orig
+// T = 64: 64-103 us of host time a call over three processes, against 97-105 us a call back to
+// back on the GPU).
+// Keyed by the address launched, not by the kernel's type: every translation unit that
+// instantiates moe_gemm_kernel<Kernel> has its own host stub, registered with its own module, and
+// the linker may take the inline function that sets the attribute from one unit and the one that
+// launches from another (a type-keyed cache so set one stub and launched the other with the
+// default 48 KB: cudaErrorInvalidValue). The attribute is an absolute value: it is set, and the
+// allowance raised, under one lock, so that a thread setting less cannot undo another's larger
+// setting.
+inline cudaError_t allow_dynamic_smem(const void* kernel, size_t smem, bool max_carveout) {
+  static std::mutex mutex;
+  static auto* allowed = new std::map<std::pair<const void*, int>, size_t>();  // never freed
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device < 0 || device >= kDevices) return set_gemm_function_attributes<Kernel>(smem);
-  if (smem <= allowed[device].load(std::memory_order_acquire)) return cudaSuccess;
-  const std::lock_guard<std::mutex> lock(raising);
-  if (smem <= allowed[device].load(std::memory_order_relaxed)) return cudaSuccess;
-  err = set_gemm_function_attributes<Kernel>(smem);
-  if (err == cudaSuccess) allowed[device].store(smem, std::memory_order_release);
+  const std::lock_guard<std::mutex> lock(mutex);
+  size_t& bytes = (*allowed)[{kernel, device}];
+  if (smem <= bytes) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  // Two CTAs' shared memory on one SM needs the largest carveout; the default lets the driver
+  // pick one that may fit only one.
+  if (err == cudaSuccess && max_carveout)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+  if (err == cudaSuccess) bytes = smem;
   return err;
 }
 
@@ -150,7 +144,8 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
   constexpr int kClusterM = Kernel::kClusterM;
   auto* kernel = moe_gemm_kernel<Kernel>;
   const size_t smem = Kernel::smem_bytes(params.stages);
-  cudaError_t err = prepare_gemm_function<Kernel>(smem);
+  cudaError_t err =
+      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, Kernel::kCtasPerSm > 1);
   if (err != cudaSuccess) return err;
   // Persistent: kCtasPerSm CTAs per SM (or fewer when even the largest routing has fewer tiles); in
   // clusters, as many whole clusters as fit the SMs at once, at least one (set_num_sms(1) gets
@@ -172,7 +167,9 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
   } else {
     int device = 0, fit = 0;
     if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
-    if ((err = max_active_clusters<Kernel>(device, params.stages, &fit)) != cudaSuccess) return err;
+    if ((err = max_active_clusters<Kernel>(reinterpret_cast<const void*>(kernel), device,
+                                           params.stages, &fit)) != cudaSuccess)
+      return err;
     const int64_t clusters = std::max<int64_t>(
         1, std::min<int64_t>({int64_t(fit), num_sms / kClusterM, max_tiles / kClusterM}));
     cudaLaunchConfig_t config = {};
