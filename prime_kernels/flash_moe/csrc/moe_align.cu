@@ -314,7 +314,6 @@ __global__ void __launch_bounds__(kScanThreads)
     const int pair = first_pair + s * 32;
     expert[s] = has_run && s < steps && pair < num_pairs ? topk_ids[pair] : -1;
   }
-  int32_t* rows = staged ? staged_rows : sorted_token_ids;
   if (staged) {
     for (int row = threadIdx.x; row < max_padded; row += kScanThreads) staged_rows[row] = -1;
   } else {
@@ -368,9 +367,14 @@ __global__ void __launch_bounds__(kScanThreads)
 #pragma unroll
     for (int s = 0; s < kSmallSteps; ++s) {
       if (s >= steps) break;
-      if (expert[s] >= 0)
-        rows[bins[warp * num_experts + (expert[s] >> 8)] + (expert[s] & 0xff)] =
-            first_pair + s * 32;
+      if (expert[s] < 0) continue;
+      const int row = bins[warp * num_experts + (expert[s] >> 8)] + (expert[s] & 0xff);
+      // Two stores, not one through a pointer chosen by `staged`: that one compiles to a
+      // generic store, which resolves its address space at run time.
+      if (staged)
+        staged_rows[row] = first_pair + s * 32;
+      else
+        sorted_token_ids[row] = first_pair + s * 32;
     }
   }
   if (staged) {

@@ -73,8 +73,11 @@ struct Mxfp8XToF16Params {
 __global__ void __launch_bounds__(kMxfp8DequantizeThreads)
     mxfp8_x_to_f16_kernel(const Mxfp8XToF16Params p) {
   // Launched as a programmatic dependent at decode sizes (fused_moe_mxfp8.cu): x may come from
-  // the kernel before it, whose writes are visible only past this wait.
+  // the kernel before it, whose writes are visible only past this wait. The gate/up GEMM, its own
+  // dependent, may launch from here on: its CTAs set up under this kernel and wait for its end
+  // before they read x.
   prime_kernels::grid_dependency_wait();
+  prime_kernels::launch_dependent_grids();
   for (int64_t blk = int64_t(blockIdx.x) * kMxfp8DequantizeThreads + threadIdx.x; blk < p.blocks;
        blk += int64_t(gridDim.x) * kMxfp8DequantizeThreads) {
     const uint4 v0 = reinterpret_cast<const uint4*>(p.values)[2 * blk];
