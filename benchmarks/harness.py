@@ -398,21 +398,30 @@ def _git(root, *args):
     )
 
 
-def built_commit(root) -> str | None:
-    """The commit the build in place under ``root`` recorded (setup.py's build info)."""
+def built_record(root) -> str | None:
+    """The commit (``-dirty`` where so) the build in place under ``root`` recorded (setup.py's
+    build info)."""
     try:
         built = json.loads((Path(root) / "prime_kernels" / "_build_info.json").read_text())
     except (OSError, ValueError):
         return None
-    return f"{built['git_commit'][:12]} (build info)" if built.get("git_commit") else None
+    return built.get("git_commit") or None
+
+
+def built_commit(root) -> str | None:
+    """The build's record, labelled as such."""
+    built = built_record(root)
+    return f"{built[:12]} (build info)" if built else None
 
 
 def git_commit(root=ROOT, built_first=False) -> str:
     """PRIME_KERNELS_COMMIT when set (a copy of the tree whose .git is not its own);
     else the short HEAD (``-dirty`` with tracked changes) of the git checkout whose top is
-    ``root``; else (a tree inside another checkout, or one without .git) the commit its
-    build recorded. ``built_first``: the build's record before all of these (ab.py's trees,
-    each built with its own PRIME_KERNELS_COMMIT, timed under one environment)."""
+    ``root``, naming the build's commit too where the extension in place was built from
+    another (a copied .so, a stale checkout); else (a tree inside another checkout, or one
+    without .git) the commit its build recorded. ``built_first``: the build's record before all
+    of these (ab.py's trees, each built with its own PRIME_KERNELS_COMMIT, timed under one
+    environment)."""
     root = Path(root)
     built = built_commit(root) if built_first else None
     if built:
@@ -423,10 +432,14 @@ def git_commit(root=ROOT, built_first=False) -> str:
     try:
         top = _git(root, "rev-parse", "--show-toplevel")
         if top.returncode == 0 and os.path.samefile(top.stdout.strip(), root):
-            head = _git(root, "rev-parse", "--short", "HEAD").stdout.strip()
+            head = _git(root, "rev-parse", "HEAD").stdout.strip()
             dirty = _git(root, "status", "--porcelain", "--untracked-files=no").stdout
             if head:
-                return head + ("-dirty" if dirty.strip() else "")
+                label = head[:7] + ("-dirty" if dirty.strip() else "")
+                built = built_record(root)
+                if built and built.split("-")[0] != head:
+                    label += f" (extension built from {built[:12]})"
+                return label
     except (OSError, subprocess.SubprocessError):
         pass
     return built_commit(root) or "unknown"

@@ -84,3 +84,37 @@ def test_gpu_clock_summaries():
     assert merged["sm_clock_mhz"] == 1350 and merged["samples"] == 4
     assert merged["power_capped"] == round((0.667 + 0.0) / 2, 3)
     assert harness.merge_clocks([None, None]) is None
+
+
+def test_commit_label_names_a_foreign_build(tmp_path):
+    """A run's commit label names the extension's own commit where it was built from another
+    (a .so copied into a checkout, or a checkout whose .git lags the tree)."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import harness
+    finally:
+        sys.path.pop(0)
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "prime_kernels").mkdir()
+    (tmp_path / "README").write_text("x\n")
+    git("add", "README")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = subprocess.run(
+        ["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    info = tmp_path / "prime_kernels" / "_build_info.json"
+    env = os.environ.pop("PRIME_KERNELS_COMMIT", None)
+    try:
+        info.write_text(json.dumps({"git_commit": head}))
+        assert harness.git_commit(tmp_path) == head[:7]
+        info.write_text(json.dumps({"git_commit": "0123456789abcdef-dirty"}))
+        assert harness.git_commit(tmp_path) == f"{head[:7]} (extension built from 0123456789ab)"
+    finally:
+        if env is not None:
+            os.environ["PRIME_KERNELS_COMMIT"] = env
