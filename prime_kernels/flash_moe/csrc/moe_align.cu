@@ -11,11 +11,11 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
-#include <atomic>
 
 #include "flash_moe_constants.h"
 #include "moe_align.h"
 #include "prime_kernels/grid_dependency.cuh"
+#include "prime_kernels/smem_allowance.h"
 
 namespace prime_moe {
 namespace {
@@ -384,28 +384,6 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
-// Lets moe_align_small stage kSmallStagedRows rows, once per device; false where the device's
-// blocks cannot hold them beside the bins (the rows then go to global memory directly).
-bool allow_staged_rows() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> allowed[kDevices] = {};  // 0 unknown, 1 yes, 2 no
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  if (device < kDevices) {
-    const int known = allowed[device].load(std::memory_order_relaxed);
-    if (known != 0) return known == 1;
-  }
-  const int bytes = kSmallStagedRows * int(sizeof(int32_t));
-  const bool ok = cudaFuncSetAttribute(moe_align_small, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       bytes) == cudaSuccess;
-  if (!ok) (void)cudaGetLastError();  // not left for the next launch check to find
-  if (device < kDevices) allowed[device].store(ok ? 1 : 2, std::memory_order_relaxed);
-  return ok;
-}
-
 }  // namespace
 
 size_t moe_align_workspace_bytes(int64_t num_pairs, int64_t num_experts, int64_t max_padded) {
@@ -422,7 +400,12 @@ cudaError_t launch_moe_align(const int32_t* topk_ids, int64_t num_pairs, int num
   if (align_in_one_block(num_pairs, num_experts, max_padded)) {
     const int runs = small_runs(num_pairs, num_experts);
     const int steps = int((num_pairs + runs * 32 - 1) / (runs * 32));
-    const bool staged = max_padded <= kSmallStagedRows && allow_staged_rows();
+    // Staged where the device's blocks hold kSmallStagedRows rows beside the bins; otherwise
+    // the rows go to global memory directly.
+    const bool staged =
+        max_padded <= kSmallStagedRows &&
+        prime_kernels::allow_dynamic_smem(reinterpret_cast<const void*>(moe_align_small),
+                                          kSmallStagedRows * sizeof(int32_t), false) == cudaSuccess;
     moe_align_small<<<1, kScanThreads, staged ? size_t(max_padded) * sizeof(int32_t) : 0, stream>>>(
         topk_ids, int(num_pairs), num_experts, runs, steps, block_m, pad, int(max_padded), staged,
         sorted_token_ids, expert_ids, num_tokens_post_padded);

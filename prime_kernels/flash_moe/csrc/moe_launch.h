@@ -8,12 +8,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "device/moe_gemm.cuh"
 #include "fused_moe_bf16.h"
+#include "prime_kernels/smem_allowance.h"
 
 namespace prime_moe {
 
@@ -73,7 +71,7 @@ inline bool aligned16(const void* ptr) {
 
 // How many clusters of Kernel with `stages` stages the device runs at once (not every SM
 // pairs up: clusters live inside a GPC), into *clusters. Asks of `kernel`, the stub launch_gemm
-// launches, whose dynamic shared memory allowance it has raised (allow_dynamic_smem). Asked once
+// launches, whose dynamic shared memory allowance it has raised (smem_allowance.h). Asked once
 // per kernel, device and ring depth (a failed query is not kept).
 template <class Kernel>
 cudaError_t max_active_clusters(const void* kernel, int device, int stages, int* clusters) {
@@ -104,38 +102,6 @@ cudaError_t max_active_clusters(const void* kernel, int device, int stages, int*
   return cudaSuccess;
 }
 
-// A kernel's dynamic shared memory allowance raised to at least smem bytes on the current device
-// (with the largest carveout where two CTAs share an SM), set once per kernel and device: the
-// allowance only grows, and a forward call made four cudaFuncSetAttribute calls of about 1.4 us
-// each. At decode sizes the host's time a call comes close to the GPU's (H100 host, MXFP8 at orig
-// T = 64: 64-103 us of host time a call over three processes, against 97-105 us a call back to
-// back on the GPU).
-// Keyed by the address launched, not by the kernel's type: every translation unit that
-// instantiates moe_gemm_kernel<Kernel> has its own host stub, registered with its own module, and
-// the linker may take the inline function that sets the attribute from one unit and the one that
-// launches from another (a type-keyed cache so set one stub and launched the other with the
-// default 48 KB: cudaErrorInvalidValue). The attribute is an absolute value: it is set, and the
-// allowance raised, under one lock, so that a thread setting less cannot undo another's larger
-// setting.
-inline cudaError_t allow_dynamic_smem(const void* kernel, size_t smem, bool max_carveout) {
-  static std::mutex mutex;
-  static auto* allowed = new std::map<std::pair<const void*, int>, size_t>();  // never freed
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const std::lock_guard<std::mutex> lock(mutex);
-  size_t& bytes = (*allowed)[{kernel, device}];
-  if (smem <= bytes) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  // Two CTAs' shared memory on one SM needs the largest carveout; the default lets the driver
-  // pick one that may fit only one.
-  if (err == cudaSuccess && max_carveout)
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
-  if (err == cudaSuccess) bytes = smem;
-  return err;
-}
-
 template <class Kernel>
 cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
                         const MoeGemmParams& params, int num_sms, cudaStream_t stream,
@@ -144,8 +110,8 @@ cudaError_t launch_gemm(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
   constexpr int kClusterM = Kernel::kClusterM;
   auto* kernel = moe_gemm_kernel<Kernel>;
   const size_t smem = Kernel::smem_bytes(params.stages);
-  cudaError_t err =
-      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, Kernel::kCtasPerSm > 1);
+  cudaError_t err = prime_kernels::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem,
+                                                      Kernel::kCtasPerSm > 1);
   if (err != cudaSuccess) return err;
   // Persistent: kCtasPerSm CTAs per SM (or fewer when even the largest routing has fewer tiles); in
   // clusters, as many whole clusters as fit the SMs at once, at least one (set_num_sms(1) gets
