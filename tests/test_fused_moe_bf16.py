@@ -155,6 +155,24 @@ def test_partial_last_n_tile(flash_moe, seed, split, block_m):
     check(flash_moe, inputs, split=split, block_m=block_m, block_n=128)
 
 
+@pytest.mark.sanitize
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+@pytest.mark.parametrize(
+    ("T", "H", "E", "k"), [(1000, 256, 32, 8), (225, 2048, 9, 4)], ids=["pairs", "odd-blocks"]
+)
+def test_clustered_gate_up(flash_moe, seed, monkeypatch, capfd, split, T, H, E, k):
+    """128-256 rows an expert take the cooperative 128 x (128 + 128) gate/up tile in 2-CTA
+    clusters (cpc = 2), the weight tile multicast to both CTAs where the pair's blocks share an
+    expert, each copying its own where they do not, and a pair's missing tile (an odd count of
+    blocks) passing its stages empty."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(T, 256, H, E, k, "uniform", generator)
+    monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
+    check(flash_moe, inputs, split=split)
+    printed = capfd.readouterr().err
+    assert "cpc=2 " in printed and "2-CTA clusters" in printed, printed
+
+
 def test_fused_adds_into_out(flash_moe, seed):
     """split=False adds into what out holds."""
     generator = torch.Generator().manual_seed(seed)

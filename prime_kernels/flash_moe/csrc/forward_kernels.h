@@ -57,6 +57,9 @@ struct Bf16Weights {
   using GateUpEpilogue = SwiGluToH<false>;
   using GateUpKeepZEpilogue = SwiGluToH<true>;
   static constexpr bool kKeepsZ = true;
+  // The cooperative gate/up tile in 2-CTA clusters where few rows an expert share its weight
+  // tiles (kClusterGateUpRowsPerExpert).
+  static constexpr bool kGateUpClusters = true;
   static cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t cols,
                                 uint32_t box_rows) {
     return prime_kernels::make_tma_2d_bf16_sw128(map, w, rows, cols, box_rows);
@@ -86,6 +89,7 @@ struct Mxfp8WidenedWeights : Bf16Weights {
   using GateUpEpilogue = SwiGluToMxfp8<>;
   using GateUpKeepZEpilogue = void;  // no training forward keeps z from MXFP8 inputs
   static constexpr bool kKeepsZ = false;
+  static constexpr bool kGateUpClusters = false;  // widened only above 256 rows an expert
 };
 
 // Up to this many (token, expert) pairs the forward's kernels launch as programmatic dependents
@@ -105,11 +109,12 @@ inline constexpr bool kDownBBeforeWait = true;
 
 // A forward GEMM (M-grouped tiles, one CTA per cluster) with ping-pong or cooperative consumers.
 template <bool kPingPong, class Tile, class ALoad, class Epilogue, class BLoad,
-          bool kBBeforeWait = false>
-using ScheduledMoeGemm = std::conditional_t<
-    kPingPong,
-    MoeGemm<Tile, ALoad, Epilogue, BLoad, MoeTileScheduler, PingPongConsumers, 1, kBBeforeWait>,
-    MoeGemm<Tile, ALoad, Epilogue, BLoad, MoeTileScheduler, CooperativeConsumers, 1, kBBeforeWait>>;
+          bool kBBeforeWait = false, int kClusterM = 1>
+using ScheduledMoeGemm = std::conditional_t<kPingPong,
+                                            MoeGemm<Tile, ALoad, Epilogue, BLoad, MoeTileScheduler,
+                                                    PingPongConsumers, kClusterM, kBBeforeWait>,
+                                            MoeGemm<Tile, ALoad, Epilogue, BLoad, MoeTileScheduler,
+                                                    CooperativeConsumers, kClusterM, kBBeforeWait>>;
 
 // The forward's kernels for one gate/up tile of block_m x block_n.
 // The down GEMM (K = H, often only 12 K steps) spends a large share of each tile in its
@@ -141,11 +146,18 @@ struct ForwardKernels {
   template <class Epilogue>
   using DownGemm = ScheduledMoeGemm<kDownPingPong, DownTile, TmaRows<DownTile>, Epilogue,
                                     typename Weights::template BLoad<DownTile>, kDownBBeforeWait>;
-  template <class Epilogue>
-  using GateUpGemm = ScheduledMoeGemm<kGateUpPingPong, GateUpTile, GatherTokenRows<GateUpTile>,
-                                      Epilogue, typename Weights::template BLoad<GateUpTile>>;
+  template <class Epilogue, int kClusterM = 1>
+  using GateUpGemm =
+      ScheduledMoeGemm<kGateUpPingPong, GateUpTile, GatherTokenRows<GateUpTile>, Epilogue,
+                       typename Weights::template BLoad<GateUpTile>, false, kClusterM>;
   using GateUp = GateUpGemm<typename Weights::GateUpEpilogue>;
   using GateUpKeepZ = GateUpGemm<typename Weights::GateUpKeepZEpilogue>;  // kKeepsZ only
+  // The cooperative 128 x (128 + 128) gate/up tile also in 2-CTA clusters sharing each weight
+  // tile (cpc = 2: resolve_config, kClusterGateUpRowsPerExpert).
+  static constexpr bool kGateUpClusters =
+      Weights::kGateUpClusters && kBlockM == 128 && kBlockN == 128;
+  using GateUpClustered = GateUpGemm<typename Weights::GateUpEpilogue, 2>;
+  using GateUpKeepZClustered = GateUpGemm<typename Weights::GateUpKeepZEpilogue, 2>;
   using DownStore = DownGemm<StoreRows>;
   using DownAtomic = DownGemm<WeightedAtomicAdd>;
   static_assert(DownStore::smem_bytes(3) == DownAtomic::smem_bytes(3));
@@ -215,6 +227,9 @@ struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
                          Mxfp8WeightTiles<GateUpTile>, MoeTileScheduler, RegisterAConsumers, 1,
                          false, kCtasPerSm>;
   using GateUpKeepZ = void;  // kKeepsZ is false
+  static constexpr bool kGateUpClusters = false;
+  using GateUpClustered = void;
+  using GateUpKeepZClustered = void;
   using DownStore = DownGemm<StoreRows>;
   using DownAtomic = DownGemm<WeightedAtomicAdd>;
 
@@ -320,6 +335,16 @@ inline constexpr int64_t kDecodeRowsPerExpert = 32;
 // 1.09x, Mixtral-8x7B 1.07x; benchmarks/RESULTS.md twentieth session); at 64 rows (Qwen3-30B-A3B
 // T = 1024) and at decode sizes the 64-wide tiles stay (as measured with 64-wide stages, 2.4-11%).
 inline constexpr int64_t kRegisterANarrowRowsPerExpert = 128;
+// Mean rows per routed expert up to which the cooperative 128 x (128 + 128) gate/up tile runs in
+// 2-CTA clusters (cpc = 2), each weight tile multicast to both CTAs (ForwardKernels): at 128-256
+// rows an expert the weights stream from DRAM, and an expert's two or three blocks fetched the
+// same weight tile apart once the CTAs had drifted (ncu, H100, DeepSeek-V3-32 T = 1024: 3.23 GB
+// read from DRAM for 1.88 GB of weights; clustered 2.21 GB, the kernel 1.18 -> 0.96 ms). H100,
+// against single CTAs (benchmarks/RESULTS.md twenty-sixth session): T = 1024 DeepSeek-V3-32
+// 1.097x, OLMoE 1.014x, orig 1.009x; at T = 8192 (1024-2048 rows an expert, where dozens of
+// blocks share a weight tile through L2 anyway) 0.974-0.977x at DeepSeek-V3-32 and OLMoE, as the
+// H200 measured at prefill sizes (docs/flash_moe_forward_prefill.md).
+inline constexpr int64_t kClusterGateUpRowsPerExpert = 256;
 // Mean rows per routed expert from which the bf16 forward takes the ping-pong gate/up tile
 // (block_n = 96, ForwardKernels): two or more full 128-row blocks an expert.
 inline constexpr int64_t kPingPongRowsPerExpert = 256;
@@ -430,7 +455,15 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
   if (original || requested.stages == 0)
     c.stages =
         max_stages<Weights>(tile_block_m<Weights>(problem, c.block_n), c.block_n, problem.device);
-  c.cpc = 1;  // no TMA multicast: one CTA per cluster
+  // cpc: the CTAs of a gate/up cluster, a choice of this kernel's (the original's 1 and 0 are
+  // hints for it, as its tiles are).
+  bool clusters = false;
+  with_forward_kernels<Weights>(
+      tile_block_m<Weights>(problem, c.block_n), c.block_n, [&](auto kernels) {
+        clusters = decltype(kernels)::kGateUpClusters &&
+                   mean_rows_per_expert_at_most(problem, kClusterGateUpRowsPerExpert);
+      });
+  c.cpc = clusters ? 2 : 1;
   return c;
 }
 
@@ -470,7 +503,8 @@ std::string check_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config
            "stay below 2^31 (and T*D/8 below 2^32)";
   if (c.bpc < 1) return "bpc=" + std::to_string(c.bpc) + " must be at least 1";
   if (c.cpc != 0 && c.cpc != 1)
-    return "cpc=" + std::to_string(c.cpc) + sm90 + " (no TMA multicast in this kernel); use 1 or 0";
+    return "cpc=" + std::to_string(c.cpc) + sm90 +
+           " as a request (this kernel picks its gate/up clusters by the shape); use 1 or 0";
   if (c.warp_n == 4 || c.warp_n == 8) {
     if (!is_original_tile(c.block_n, c.warp_n))
       return "block_n=" + std::to_string(c.block_n) + " with warp_n=" + std::to_string(c.warp_n) +
@@ -580,9 +614,19 @@ bool launchable(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& c) {
   if (!is_instantiated<Weights>(tile_m, c.block_n) || c.stages < kMinStages ||
       c.stages > max_stages<Weights>(tile_m, c.block_n, pr.device))
     return false;
+  bool clusters = false;
+  with_forward_kernels<Weights>(
+      tile_m, c.block_n, [&](auto kernels) { clusters = decltype(kernels)::kGateUpClusters; });
+  if (c.cpc != 1 && !(c.cpc == 2 && clusters)) return false;
   return (pr.keep_z != nullptr) == (pr.keep_pair_to_row != nullptr) &&
          (pr.keep_z == nullptr || (c.split && Weights::kKeepsZ));
 }
+
+// A kernel type passed as a value (C++17 has no std::type_identity).
+template <class T>
+struct KernelTag {
+  using type = T;
+};
 
 // Enqueues the launch sequence (header comment) with a resolved config; the gate/up GEMM
 // gathers token rows from x_rows (bf16 (T, D)).
@@ -659,13 +703,24 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
         down.a_scales = ws.h_scales;
       }
       if constexpr (K::kF16GateUp) gate_up.a_scales = ws.x_scales;
+      // A clustered gate/up GEMM launches plainly (launch_gemm), after moe_align's end.
+      const auto launch_gate_up = [&](auto single, auto clustered) {
+        using Single = typename decltype(single)::type;
+        using Clustered = typename decltype(clustered)::type;
+        if constexpr (K::kGateUpClusters) {
+          if (c.cpc == 2)
+            return launch_gemm<Clustered>(tmap_w, tmap_w, gate_up, num_sms, stream, dependent);
+        }
+        return launch_gemm<Single>(tmap_w, tmap_w, gate_up, num_sms, stream, dependent);
+      };
       if constexpr (Weights::kKeepsZ) {
-        err = pr.keep_z != nullptr ? launch_gemm<typename K::GateUpKeepZ>(
-                                         tmap_w, tmap_w, gate_up, num_sms, stream, dependent)
-                                   : launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up,
-                                                                     num_sms, stream, dependent);
+        err = pr.keep_z != nullptr ? launch_gate_up(KernelTag<typename K::GateUpKeepZ>{},
+                                                    KernelTag<typename K::GateUpKeepZClustered>{})
+                                   : launch_gate_up(KernelTag<typename K::GateUp>{},
+                                                    KernelTag<typename K::GateUpClustered>{});
       } else {
-        err = launch_gemm<typename K::GateUp>(tmap_w, tmap_w, gate_up, num_sms, stream, dependent);
+        err = launch_gate_up(KernelTag<typename K::GateUp>{},
+                             KernelTag<typename K::GateUpClustered>{});
       }
       if (err != cudaSuccess) return;
       err = K::down_weight_map(&tmap_w2, weights.w2, uint64_t(E) * D, H);
@@ -708,8 +763,8 @@ std::string describe_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Con
     const std::string n = std::to_string(K::GateUpTile::kBlockN);
     const std::string tm = std::to_string(K::GateUpTile::kBlockM);
     const std::string ctas = K::GateUp::kCtasPerSm > 1 ? ", 2 CTAs an SM" : "";
-    gate_up =
-        tm + "x(" + n + "+" + n + ")" + (K::kGateUpPingPong ? " ping-pong" : " cooperative") + ctas;
+    gate_up = tm + "x(" + n + "+" + n + ")" + (K::kGateUpPingPong ? " ping-pong" : " cooperative") +
+              ctas + (c.cpc == 2 ? ", 2-CTA clusters sharing each weight tile" : "");
     down = tm + "x" + std::to_string(K::DownTile::kBlockN) +
            (K::kDownPingPong ? " ping-pong" : " cooperative") +
            (K::kE4m3Down ? ", e4m3 wgmma on an MXFP8 h" : "") + ", " +
