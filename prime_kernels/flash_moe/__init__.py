@@ -202,6 +202,7 @@ def fused_moe_bf16(
     {(64, 4), (32, 8)}, stages 1..5, cpc 1). With ``warp_n`` None or 2 (this kernel's two
     consumer warpgroups), ``block_n`` (64, 128; 96 at block_m 128: the ping-pong gate/up
     tile) and ``stages`` (2 up to what shared memory holds) pin this kernel's own tile.
+    ``cpc`` (1 or 0) is always a hint: the kernel picks its gate/up clusters by the shape.
     ``PRIME_MOE_PRINT_CONFIG=1`` prints what each hint became."""
     torch.ops.prime_moe.fused_moe_bf16(
         x,

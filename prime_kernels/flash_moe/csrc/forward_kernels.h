@@ -107,7 +107,8 @@ inline constexpr int64_t kDependentLaunchMaxPairs = 16384;
 // GEMM's wait returns: launched plainly ahead of it, never as a dependent of it.
 inline constexpr bool kDownBBeforeWait = true;
 
-// A forward GEMM (M-grouped tiles, one CTA per cluster) with ping-pong or cooperative consumers.
+// A forward GEMM (M-grouped tiles; kClusterM CTAs a cluster, 1 but for the clustered gate/up tile)
+// with ping-pong or cooperative consumers.
 template <bool kPingPong, class Tile, class ALoad, class Epilogue, class BLoad,
           bool kBBeforeWait = false, int kClusterM = 1>
 using ScheduledMoeGemm = std::conditional_t<kPingPong,
