@@ -1130,13 +1130,15 @@ def publish(args, meta, ceilings, skips, rows, elapsed):
         for line in lines:
             log(line)
     log(f"total {elapsed:.0f} s")
-    quick = " (quick)" if args.quick and not args.section else ""
+    # A quick run's titles say so; a run kept beside the main one (--section) names its GPU.
+    suffix = " (quick)" if args.quick and not args.section else ""
+    suffix += f" on {meta['gpu']}" if args.section else ""
     if not args.training:
         fwd_rows = rows["fwd"]
         quantized = rows.get(QUANTIZE)
         sections = {
             args.sections["forward"]: section(
-                f"flash_moe forward{quick}",
+                f"flash_moe forward{suffix}",
                 meta,
                 ceilings,
                 fwd_rows,
@@ -1157,7 +1159,7 @@ def publish(args, meta, ceilings, skips, rows, elapsed):
         bwd_means = [f"backward alone: {line}" for line in gm_lines(bwd)]
         sections = {
             args.sections["training"]: section(
-                f"flash_moe {TITLES['fwd+bwd']}{quick}",
+                f"flash_moe {TITLES['fwd+bwd']}{suffix}",
                 meta,
                 ceilings,
                 step,
@@ -1167,7 +1169,7 @@ def publish(args, meta, ceilings, skips, rows, elapsed):
                 bwd_means,
             ),
             args.sections["training-backward"]: section(
-                f"flash_moe {TITLES['bwd']}{quick}",
+                f"flash_moe {TITLES['bwd']}{suffix}",
                 meta,
                 ceilings,
                 bwd,
@@ -1176,7 +1178,7 @@ def publish(args, meta, ceilings, skips, rows, elapsed):
                 notes(bwd, "backward alone"),
             ),
             args.sections["training-forward"]: section(
-                f"flash_moe {TITLES['fwd-train']}{quick}",
+                f"flash_moe {TITLES['fwd-train']}{suffix}",
                 meta,
                 ceilings,
                 train,
