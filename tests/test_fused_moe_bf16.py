@@ -442,12 +442,17 @@ def test_opcheck(flash_moe, seed):
 
 
 @pytest.mark.sanitize
-def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
+@pytest.mark.parametrize(
+    ("T", "H", "E", "k"), [(100, 64, 4, 2), (1000, 256, 32, 8)], ids=["single", "clustered"]
+)
+def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed, T, H, E, k):
     """Whatever sorted_token_ids and expert_ids hold, the kernels only touch valid memory
-    (compute-sanitizer memcheck runs this); with random ids the numbers are unspecified."""
+    (compute-sanitizer memcheck runs this); with random ids the numbers are unspecified. The
+    second shape takes the gate/up tile in 2-CTA clusters (the tile choice reads the sizes,
+    not the ids), whose pairs decide from the ids whether they share a weight tile."""
     generator = torch.Generator().manual_seed(seed)
-    x, w, w2, ids, weights = make_inputs(100, 128, 64, 4, 2, "uniform", generator)
-    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 4)
+    x, w, w2, ids, weights = make_inputs(T, 128, H, E, k, "uniform", generator)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, E)
     sorted_ids = torch.randint(-5, 10**6, sorted_ids.shape, dtype=torch.int32, device="cuda")
     expert_ids = torch.randint(-5, 100, expert_ids.shape, dtype=torch.int32, device="cuda")
     for bad_total in (10**7, -3):
@@ -455,7 +460,7 @@ def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed):
         for split in (True, False):
             out = torch.zeros_like(x)
             flash_moe.fused_moe_bf16(
-                x, w, w2, sorted_ids, expert_ids, total, weights, out, 2, split=split
+                x, w, w2, sorted_ids, expert_ids, total, weights, out, k, split=split
             )
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
