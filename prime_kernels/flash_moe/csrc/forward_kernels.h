@@ -89,7 +89,8 @@ struct Mxfp8WidenedWeights : Bf16Weights {
   using GateUpEpilogue = SwiGluToMxfp8<>;
   using GateUpKeepZEpilogue = void;  // no training forward keeps z from MXFP8 inputs
   static constexpr bool kKeepsZ = false;
-  static constexpr bool kGateUpClusters = false;  // widened only above 256 rows an expert
+  // Widened only above 256 rows an expert, where the clusters are never picked: no such kernel.
+  static constexpr bool kGateUpClusters = false;
 };
 
 // Up to this many (token, expert) pairs the forward's kernels launch as programmatic dependents
@@ -342,9 +343,11 @@ inline constexpr int64_t kRegisterANarrowRowsPerExpert = 128;
 // same weight tile apart once the CTAs had drifted (ncu, H100, DeepSeek-V3-32 T = 1024: 3.23 GB
 // read from DRAM for 1.88 GB of weights; clustered 2.21 GB, the kernel 1.18 -> 0.96 ms). H100,
 // against single CTAs (benchmarks/RESULTS.md twenty-sixth session): T = 1024 DeepSeek-V3-32
-// 1.097x, OLMoE 1.014x, orig 1.009x; at T = 8192 (1024-2048 rows an expert, where dozens of
-// blocks share a weight tile through L2 anyway) 0.974-0.977x at DeepSeek-V3-32 and OLMoE, as the
-// H200 measured at prefill sizes (docs/flash_moe_forward_prefill.md).
+// 1.095x, OLMoE 1.014x, orig 1.007x, Qwen3-30B-A3B 1.003x (64 rows, one block an expert: its
+// pairs never share a tile, and the lockstep cost nothing measurable); at T = 8192 (1024-2048
+// rows an expert, where dozens of blocks share a weight tile through L2 anyway) 0.974-0.977x at
+// DeepSeek-V3-32 and OLMoE, as the H200 measured at prefill sizes
+// (docs/flash_moe_forward_prefill.md).
 inline constexpr int64_t kClusterGateUpRowsPerExpert = 256;
 // Mean rows per routed expert from which the bf16 forward takes the ping-pong gate/up tile
 // (block_n = 96, ForwardKernels): two or more full 128-row blocks an expert.
@@ -397,6 +400,15 @@ bool f16_gate_up(const FusedMoeBf16Problem& pr, int block_n) {
   with_forward_kernels<Weights>(tile_block_m<Weights>(pr, block_n), block_n,
                                 [&](auto kernels) { f16 = decltype(kernels)::kF16GateUp; });
   return f16;
+}
+
+// Whether this tile has a clustered gate/up kernel (ForwardKernels::kGateUpClusters).
+template <class Weights>
+bool has_gate_up_clusters(int block_m, int block_n) {
+  bool clusters = false;
+  with_forward_kernels<Weights>(
+      block_m, block_n, [&](auto kernels) { clusters = decltype(kernels)::kGateUpClusters; });
+  return clusters;
 }
 
 // The deepest ring the device's shared memory holds for this tile (0: not instantiated).
@@ -458,12 +470,9 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
         max_stages<Weights>(tile_block_m<Weights>(problem, c.block_n), c.block_n, problem.device);
   // cpc: the CTAs of a gate/up cluster, a choice of this kernel's (the original's 1 and 0 are
   // hints for it, as its tiles are).
-  bool clusters = false;
-  with_forward_kernels<Weights>(
-      tile_block_m<Weights>(problem, c.block_n), c.block_n, [&](auto kernels) {
-        clusters = decltype(kernels)::kGateUpClusters &&
-                   mean_rows_per_expert_at_most(problem, kClusterGateUpRowsPerExpert);
-      });
+  const bool clusters =
+      has_gate_up_clusters<Weights>(tile_block_m<Weights>(problem, c.block_n), c.block_n) &&
+      mean_rows_per_expert_at_most(problem, kClusterGateUpRowsPerExpert);
   c.cpc = clusters ? 2 : 1;
   return c;
 }
@@ -615,10 +624,7 @@ bool launchable(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& c) {
   if (!is_instantiated<Weights>(tile_m, c.block_n) || c.stages < kMinStages ||
       c.stages > max_stages<Weights>(tile_m, c.block_n, pr.device))
     return false;
-  bool clusters = false;
-  with_forward_kernels<Weights>(
-      tile_m, c.block_n, [&](auto kernels) { clusters = decltype(kernels)::kGateUpClusters; });
-  if (c.cpc != 1 && !(c.cpc == 2 && clusters)) return false;
+  if (c.cpc != 1 && !(c.cpc == 2 && has_gate_up_clusters<Weights>(tile_m, c.block_n))) return false;
   return (pr.keep_z != nullptr) == (pr.keep_pair_to_row != nullptr) &&
          (pr.keep_z == nullptr || (c.split && Weights::kKeepsZ));
 }
