@@ -161,7 +161,7 @@ def test_partial_last_n_tile(flash_moe, seed, split, block_m):
     ("T", "H", "E", "k"), [(1000, 256, 32, 8), (225, 2048, 9, 4)], ids=["pairs", "odd-blocks"]
 )
 def test_clustered_gate_up(flash_moe, seed, monkeypatch, capfd, split, T, H, E, k):
-    """128-256 rows an expert take the cooperative 128 x (128 + 128) gate/up tile in 2-CTA
+    """Up to 256 rows an expert the cooperative 128 x (128 + 128) gate/up tile runs in 2-CTA
     clusters (cpc = 2), the weight tile multicast to both CTAs where the pair's blocks share an
     expert, each copying its own where they do not, and a pair's missing tile (an odd count of
     blocks) passing its stages empty."""
@@ -171,6 +171,26 @@ def test_clustered_gate_up(flash_moe, seed, monkeypatch, capfd, split, T, H, E, 
     check(flash_moe, inputs, split=split)
     printed = capfd.readouterr().err
     assert "cpc=2 " in printed and "2-CTA clusters" in printed, printed
+
+
+@pytest.mark.parametrize(
+    ("T", "D", "H", "E", "k", "clustered"),
+    [(2048, 6144, 1024, 8, 2, True), (4096, 512, 1024, 8, 2, False)],
+    ids=["outgrow-l2", "fit-l2"],
+)
+def test_gate_up_clusters_past_256_rows(
+    flash_moe, seed, monkeypatch, capfd, T, D, H, E, k, clustered
+):
+    """Past 256 rows an expert the cooperative gate/up tile clusters only where the weight
+    tiles its CTAs read at once outgrow L2 (forward_kernels.h, gate_up_weights_outgrow_l2):
+    512 rows an expert of D = 6144 (about 100 MB in flight on a 132-SM, 50 MiB-L2 GPU) does,
+    1024 rows of D = 512 (about 4 MB) does not."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(T, D, H, E, k, "uniform", generator)
+    monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
+    check(flash_moe, inputs, split=True)
+    printed = capfd.readouterr().err
+    assert ("cpc=2 " in printed) == clustered, printed
 
 
 def test_fused_adds_into_out(flash_moe, seed):

@@ -57,8 +57,8 @@ struct Bf16Weights {
   using GateUpEpilogue = SwiGluToH<false>;
   using GateUpKeepZEpilogue = SwiGluToH<true>;
   static constexpr bool kKeepsZ = true;
-  // The cooperative gate/up tile in 2-CTA clusters where few rows an expert share its weight
-  // tiles (kClusterGateUpRowsPerExpert).
+  // The cooperative gate/up tile in 2-CTA clusters where an expert's blocks would fetch its
+  // weight tiles from DRAM apart (kClusterGateUpRowsPerExpert).
   static constexpr bool kGateUpClusters = true;
   static cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t cols,
                                 uint32_t box_rows) {
@@ -155,7 +155,7 @@ struct ForwardKernels {
   using GateUp = GateUpGemm<typename Weights::GateUpEpilogue>;
   using GateUpKeepZ = GateUpGemm<typename Weights::GateUpKeepZEpilogue>;  // kKeepsZ only
   // The cooperative 128 x (128 + 128) gate/up tile also in 2-CTA clusters sharing each weight
-  // tile (cpc = 2: resolve_config, kClusterGateUpRowsPerExpert).
+  // tile (cpc = 2: resolve_config, kClusterGateUpRowsPerExpert, gate_up_weights_outgrow_l2).
   static constexpr bool kGateUpClusters =
       Weights::kGateUpClusters && kBlockM == 128 && kBlockN == 128;
   using GateUpClustered = GateUpGemm<typename Weights::GateUpEpilogue, 2>;
@@ -337,18 +337,40 @@ inline constexpr int64_t kDecodeRowsPerExpert = 32;
 // 1.09x, Mixtral-8x7B 1.07x; benchmarks/RESULTS.md twentieth session); at 64 rows (Qwen3-30B-A3B
 // T = 1024) and at decode sizes the 64-wide tiles stay (as measured with 64-wide stages, 2.4-11%).
 inline constexpr int64_t kRegisterANarrowRowsPerExpert = 128;
-// Mean rows per routed expert up to which the cooperative 128 x (128 + 128) gate/up tile runs in
-// 2-CTA clusters (cpc = 2), each weight tile multicast to both CTAs (ForwardKernels): at 128-256
-// rows an expert the weights stream from DRAM, and an expert's two or three blocks fetched the
-// same weight tile apart once the CTAs had drifted (ncu, H100, DeepSeek-V3-32 T = 1024: 3.23 GB
-// read from DRAM for 1.88 GB of weights; clustered 2.21 GB, the kernel 1.18 -> 0.96 ms). H100,
-// against single CTAs (benchmarks/RESULTS.md twenty-sixth session): T = 1024 DeepSeek-V3-32
-// 1.095x, OLMoE 1.014x, orig 1.007x, Qwen3-30B-A3B 1.003x (64 rows, one block an expert: its
-// pairs never share a tile, and the lockstep cost nothing measurable); at T = 8192 (1024-2048
-// rows an expert, where dozens of blocks share a weight tile through L2 anyway) 0.974-0.977x at
-// DeepSeek-V3-32 and OLMoE, as the H200 measured at prefill sizes
-// (docs/flash_moe_forward_prefill.md).
+// When the cooperative 128 x (128 + 128) gate/up tile runs in 2-CTA clusters (cpc = 2), each
+// weight tile multicast to both CTAs (ForwardKernels): where an expert's blocks would otherwise
+// fetch the same weight tile from DRAM apart. The tiles run group-major (MoeTileScheduler::kGroup
+// n tiles of one block after another), so the SMs cover about sms / kGroup consecutive blocks at
+// once: sms / kGroup / (blocks an expert) experts, kGroup weight tiles of 2 block_n rows of D
+// each. Where those tiles outgrow L2, the blocks of an expert, run apart once the CTAs have
+// drifted, each read them from DRAM again (ncu, H100, DeepSeek-V3-32 T = 1024: 3.23 GB read for
+// 1.88 GB of weights; clustered 2.21 GB, the kernel 1.18 -> 0.96 ms); where they fit, L2 serves
+// the blocks and the pair's lockstep only costs. H100, clustered against single CTAs
+// (benchmarks/RESULTS.md twenty-sixth and twenty-seventh sessions), by the bytes in flight
+// against the 50 MiB L2:
+//   DeepSeek-V3-32 T = 1024 / 2048 / 4096 (235 / 117 / 59 MB): 1.095x / 1.124x / 1.100x;
+//   OLMoE T = 1024 (134 MB) 1.014x; orig T = 1024 1.007x;
+//   OLMoE and orig T = 4096 (34 MB): 0.991x and 0.985x; DeepSeek-V3-32 and OLMoE T = 8192 (29
+//   and 17 MB): 0.977x and 0.974x (the H200 measured the same at prefill sizes,
+//   docs/flash_moe_forward_prefill.md).
+// Up to 256 rows an expert the tile always clusters (where L2 holds the tiles, as at the small
+// shapes of the tests, it costs nothing measurable: Qwen3-30B-A3B T = 1024, one block an expert,
+// 1.003x).
 inline constexpr int64_t kClusterGateUpRowsPerExpert = 256;
+inline bool gate_up_weights_outgrow_l2(const FusedMoeBf16Problem& problem, int block_m,
+                                       int block_n) {
+  const int64_t pairs = problem.num_tokens * problem.top_k;
+  const int64_t routed = std::max<int64_t>(1, std::min(problem.num_experts, pairs));
+  const int64_t blocks_per_expert = std::max<int64_t>(1, (pairs / routed + block_m - 1) / block_m);
+  const int64_t group =
+      std::min<int64_t>(MoeTileScheduler::kGroup, (problem.hidden_dim + block_n - 1) / block_n);
+  const int64_t experts = std::min(
+      routed, std::max<int64_t>(1, usable_sms(problem.device) / group / blocks_per_expert));
+  // The clustered tiles read bf16 weights (Weights::kGateUpClusters).
+  const int64_t bytes =
+      experts * group * 2 * block_n * problem.dim * int64_t(sizeof(__nv_bfloat16));
+  return bytes > device_attribute(cudaDevAttrL2CacheSize, problem.device);
+}
 // Mean rows per routed expert from which the bf16 forward takes the ping-pong gate/up tile
 // (block_n = 96, ForwardKernels): two or more full 128-row blocks an expert.
 inline constexpr int64_t kPingPongRowsPerExpert = 256;
@@ -470,9 +492,10 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
         max_stages<Weights>(tile_block_m<Weights>(problem, c.block_n), c.block_n, problem.device);
   // cpc: the CTAs of a gate/up cluster, a choice of this kernel's (the original's 1 and 0 are
   // hints for it, as its tiles are).
-  const bool clusters =
-      has_gate_up_clusters<Weights>(tile_block_m<Weights>(problem, c.block_n), c.block_n) &&
-      mean_rows_per_expert_at_most(problem, kClusterGateUpRowsPerExpert);
+  const int tile_m = tile_block_m<Weights>(problem, c.block_n);
+  const bool clusters = has_gate_up_clusters<Weights>(tile_m, c.block_n) &&
+                        (mean_rows_per_expert_at_most(problem, kClusterGateUpRowsPerExpert) ||
+                         gate_up_weights_outgrow_l2(problem, tile_m, c.block_n));
   c.cpc = clusters ? 2 : 1;
   return c;
 }
