@@ -467,9 +467,14 @@ def test_opcheck(flash_moe, seed):
 )
 def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed, T, H, E, k):
     """Whatever sorted_token_ids and expert_ids hold, the kernels only touch valid memory
-    (compute-sanitizer memcheck runs this); with random ids the numbers are unspecified. The
-    second shape takes the gate/up tile in 2-CTA clusters (the tile choice reads the sizes,
-    not the ids), whose pairs decide from the ids whether they share a weight tile."""
+    (compute-sanitizer memcheck runs this) and raise no fault. With random ids the numbers are
+    unspecified, and may be non-finite: the down GEMM copies a block's upper 64 rows of h only
+    where its first row has a pair (moe_align's layout puts routed rows first; TmaRows), so
+    under another layout its upper half may multiply what a stage held before (H100, with the
+    free memory NaN-poisoned: some routed rows of such halves came out NaN). A padded total
+    below zero routes nothing, and out must say so. The second shape takes the gate/up tile in
+    2-CTA clusters (the tile choice reads the sizes, not the ids), whose pairs decide from the
+    ids whether they share a weight tile."""
     generator = torch.Generator().manual_seed(seed)
     x, w, w2, ids, weights = make_inputs(T, 128, H, E, k, "uniform", generator)
     sorted_ids, expert_ids, total = flash_moe.moe_align(ids, E)
@@ -482,8 +487,9 @@ def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed, T, H, E, k):
             flash_moe.fused_moe_bf16(
                 x, w, w2, sorted_ids, expert_ids, total, weights, out, k, split=split
             )
-            torch.cuda.synchronize()
-            assert torch.isfinite(out).all()
+            torch.cuda.synchronize()  # a fault in any kernel raises here
+            if bad_total < 0:  # no rows: split=True writes zeros, split=False adds nothing
+                assert (out == 0).all()
 
 
 @pytest.mark.sanitize

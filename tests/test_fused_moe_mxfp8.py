@@ -395,8 +395,10 @@ def test_opcheck(flash_moe, seed):
 @pytest.mark.parametrize("T", [40, 100, 600], ids=["decode", "registers", "widened"])
 def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed, T):
     """Whatever sorted_token_ids and expert_ids hold, the kernels only touch valid memory
-    (compute-sanitizer memcheck runs this); with random ids the numbers are unspecified. T = 40
-    (20 rows an expert) runs the 64 x 64 decode tiles and their e4m3 down GEMM."""
+    (compute-sanitizer memcheck runs this) and raise no fault; with random ids the numbers are
+    unspecified, non-finite ones included (test_fused_moe_bf16.py's test says why). A padded
+    total below zero routes nothing, and out must say so. T = 40 (20 rows an expert) runs the
+    64 x 64 decode tiles and their e4m3 down GEMM."""
     generator = torch.Generator().manual_seed(seed)
     x, w, w2, ids, weights = make_inputs(T, 128, 128, 4, 2, "uniform", generator)
     ops, _ = quantize(flash_moe, x, w, w2)
@@ -410,8 +412,9 @@ def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed, T):
             flash_moe.fused_moe_mxfp8(
                 *ops, sorted_ids, expert_ids, total, weights, out, 2, split=split
             )
-            torch.cuda.synchronize()
-            assert torch.isfinite(out).all()
+            torch.cuda.synchronize()  # a fault in any kernel raises here
+            if bad_total < 0:  # no rows: split=True writes zeros, split=False adds nothing
+                assert (out == 0).all()
 
 
 @pytest.mark.parametrize("T", [300, 1200], ids=["registers", "widened"])
