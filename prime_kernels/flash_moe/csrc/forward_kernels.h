@@ -353,9 +353,10 @@ inline constexpr int64_t kRegisterANarrowRowsPerExpert = 128;
 //   OLMoE and orig T = 4096 (34 MB): 0.991x and 0.985x; DeepSeek-V3-32 and OLMoE T = 8192 (29
 //   and 17 MB): 0.977x and 0.974x (the H200 measured the same at prefill sizes,
 //   docs/flash_moe_forward_prefill.md).
-// Up to 256 rows an expert the tile always clusters (where L2 holds the tiles, as at the small
-// shapes of the tests, it costs nothing measurable: Qwen3-30B-A3B T = 1024, one block an expert,
-// 1.003x).
+// Up to 256 rows an expert the tile always clusters: every benchmark shape there outgrows L2
+// anyway, and where an expert has one block (no pair shares a tile) the lockstep cost nothing
+// measurable (Qwen3-30B-A3B T = 1024, 1.003x). Small problems whose tiles L2 would hold, as in
+// the tests, cluster there unmeasured.
 inline constexpr int64_t kClusterGateUpRowsPerExpert = 256;
 inline bool gate_up_weights_outgrow_l2(const FusedMoeBf16Problem& problem, int block_m,
                                        int block_n) {
