@@ -1,0 +1,136 @@
+// Whether compute-sanitizer racecheck flags a correct 2-CTA ring whose stages the partner CTA
+// fills by multicast bulk copy and whose consumers read them with plain ld.shared: the pattern of
+// the register-A gate/up clusters (wip/mxfp8-gateup-cluster.patch), where racecheck reported
+// hazards between the scale blocks' multicast and the consumers' scale reads. Each CTA's producer
+// copies one 512-byte block of a stage into both CTAs (cp.async.bulk ... multicast::cluster); a
+// consumer warp per CTA waits on its full barrier, sums the stage's two blocks, fences the proxy
+// and releases the stage to both producers by a remote mbarrier arrive, either with the default
+// (CTA-scope) release the kernels use (prime_kernels/cluster.cuh) or with .release.cluster.
+// The sums are checked, so a real race shows as a wrong sum even without the sanitizer.
+// Build and run (sm_90a):
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Iprime_kernels/include \
+//     benchmarks/probes/multicast_racecheck.cu -o multicast_racecheck
+//   compute-sanitizer --tool racecheck ./multicast_racecheck cta      # the kernels' arrive
+//   compute-sanitizer --tool racecheck ./multicast_racecheck cluster  # .release.cluster
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "prime_kernels/cluster.cuh"
+#include "prime_kernels/mbarrier.cuh"
+
+#define CK(x)                                        \
+  do {                                               \
+    cudaError_t e = (x);                             \
+    if (e != cudaSuccess) {                          \
+      printf("%s: %s\n", #x, cudaGetErrorString(e)); \
+      return 1;                                      \
+    }                                                \
+  } while (0)
+
+constexpr int kStages = 2, kSteps = 64, kBlockBytes = 512, kWords = kBlockBytes / 4;
+
+__device__ __forceinline__ void bulk_copy_multicast(uint32_t dst, const void* src, uint32_t bytes,
+                                                    uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "h"(uint16_t(0b11))
+      : "memory");
+}
+
+__device__ __forceinline__ void arrive_cluster_release(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(
+          prime_kernels::smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+
+// src: kSteps x 2 blocks of kWords words; sums[cta * kSteps + step]: the stage's word sum.
+template <bool kClusterRelease>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(64)
+    ring_kernel(const uint32_t* src, uint32_t* sums) {
+  using namespace prime_kernels;
+  __shared__ alignas(128) uint32_t stage[kStages][2][kWords];
+  __shared__ alignas(8) uint64_t full[kStages], empty[kStages];
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], 2);  // one consumer warp of each CTA
+    }
+    mbarrier_init_fence();
+  }
+  cluster_sync();
+  if (threadIdx.x == 0) {  // producer
+    for (int step = 0; step < kSteps; ++step) {
+      const int s = step % kStages;
+      if (step >= kStages) mbarrier_wait(&empty[s], ((step / kStages) - 1) & 1);
+      mbarrier_arrive_expect_tx(&full[s], 2 * kBlockBytes);
+      bulk_copy_multicast(smem_addr(&stage[s][rank][0]), src + (step * 2 + rank) * kWords,
+                          kBlockBytes, smem_addr(&full[s]));
+    }
+  } else if (threadIdx.x >= 32) {  // consumer warp
+    const int lane = threadIdx.x - 32;
+    for (int step = 0; step < kSteps; ++step) {
+      const int s = step % kStages;
+      mbarrier_wait(&full[s], (step / kStages) & 1);
+      uint32_t sum = 0;
+      for (int w = lane; w < 2 * kWords; w += 32) {
+        uint32_t v;
+        asm volatile("ld.shared.u32 %0, [%1];"
+                     : "=r"(v)
+                     : "r"(smem_addr(&stage[s][0][0]) + 4 * w)
+                     : "memory");
+        sum += v;
+      }
+      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (lane == 0) sums[rank * kSteps + step] = sum;
+      fence_proxy_async_shared();
+      __syncwarp();
+      if (lane < 2) {
+        if constexpr (kClusterRelease)
+          arrive_cluster_release(&empty[s], lane);
+        else
+          mbarrier_arrive_cluster(&empty[s], lane);
+      }
+    }
+  }
+  cluster_sync();
+}
+
+int main(int argc, char** argv) {
+  const bool cluster_release = argc > 1 && std::strcmp(argv[1], "cluster") == 0;
+  std::vector<uint32_t> host(kSteps * 2 * kWords);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = uint32_t(i * 2654435761u);
+  uint32_t *src, *sums;
+  CK(cudaMalloc(&src, host.size() * 4));
+  CK(cudaMalloc(&sums, 2 * kSteps * 4));
+  CK(cudaMemcpy(src, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
+  for (int launch = 0; launch < 16; ++launch) {
+    if (cluster_release)
+      ring_kernel<true><<<2, 64>>>(src, sums);
+    else
+      ring_kernel<false><<<2, 64>>>(src, sums);
+  }
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  std::vector<uint32_t> got(2 * kSteps);
+  CK(cudaMemcpy(got.data(), sums, got.size() * 4, cudaMemcpyDeviceToHost));
+  int wrong = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    uint32_t want = 0;
+    for (int w = 0; w < 2 * kWords; ++w) want += host[step * 2 * kWords + w];
+    wrong += (got[step] != want) + (got[kSteps + step] != want);
+  }
+  printf("%s release: %d of %d stage sums wrong\n", cluster_release ? ".cluster" : "CTA-scope",
+         wrong, 2 * kSteps);
+  return wrong != 0;
+}
