@@ -9,14 +9,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstdio>
-#define CK(x)                                        \
-  do {                                               \
-    cudaError_t e = (x);                             \
-    if (e != cudaSuccess) {                          \
-      printf("%s: %s\n", #x, cudaGetErrorString(e)); \
-      return 1;                                      \
-    }                                                \
-  } while (0)
+#include "cuda_check.h"
 constexpr int kChains = 8, kIters = 4096;
 
 // One word of four e4m3 widened to two f16x2 registers.

@@ -19,17 +19,9 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda_check.h"
 #include "prime_kernels/cluster.cuh"
 #include "prime_kernels/mbarrier.cuh"
-
-#define CK(x)                                        \
-  do {                                               \
-    cudaError_t e = (x);                             \
-    if (e != cudaSuccess) {                          \
-      printf("%s: %s\n", #x, cudaGetErrorString(e)); \
-      return 1;                                      \
-    }                                                \
-  } while (0)
 
 constexpr int kStages = 2, kSteps = 64, kBlockBytes = 512, kWords = kBlockBytes / 4;
 
