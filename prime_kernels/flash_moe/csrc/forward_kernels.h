@@ -404,7 +404,10 @@ inline bool mxfp8_widens_weights(const FusedMoeBf16Problem& problem) {
 // lets two CTAs' registers fit. H100, T = 64, moe_align + fused_moe_mxfp8 against one CTA an SM
 // of 128-row tiles (benchmarks/RESULTS.md 2026-12-05): 1.16x at DeepSeek-V3-32 and Mixtral-8x7B
 // in one sitting; with the upper tiles scheduled last (1.04x more at Qwen3-30B-A3B), 1.18x at
-// all three against two sittings' figures.
+// all three against two sittings' figures. Past kDecodeRowsPerExpert they lose to the 128-row
+// tiles, whose loops do not promote each block's sum (H100, T = 1024, benchmarks/RESULTS.md
+// twenty-ninth session): taken up to 64 rows an expert, Qwen3-30B-A3B 0.87x (0.95x with x's
+// tokens rebased); up to 128, OLMoE and orig 0.73x.
 template <class Weights>
 int tile_block_m(const FusedMoeBf16Problem& pr, int block_n) {
   if constexpr (Weights::kRegisterA) {
