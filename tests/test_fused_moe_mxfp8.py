@@ -277,7 +277,46 @@ def test_split_is_bitwise_deterministic(flash_moe, seed):
         assert torch.equal(run_ours(flash_moe, ops, ids, weights, split=True), first)
 
 
-@pytest.mark.parametrize("T", [300, 1200], ids=["registers", "widened"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_x_blocks_far_apart(flash_moe, seed, monkeypatch, capfd, split):
+    """The decode gate/up loop's tokens rebased by x's pre-pass (mxfp8_dequantize.cuh): a
+    token whose nonzero blocks' scales lie within 15 of its largest is written times
+    2^(s - largest) in f16 and its factor applied once; one whose scales lie further apart keeps
+    a factor per block, and so does every tile holding such a token. Here: tokens with a block
+    2^-14, 2^-15 (the last exact rebase, f16's subnormal 2^-15) and 2^-16 or 2^-40 (not
+    rebased) below the rest, an all-zero block under a huge scale (ignored by the rebase), at
+    a decode size (10 rows an expert: the f16 loop), against the exact-MX emulation."""
+    generator = torch.Generator().manual_seed(seed)
+    T, D, H, E, k = 40, 512, 256, 8, 2
+    x, w, w2, ids, weights = make_inputs(T, D, H, E, k, "uniform", generator)
+    x = x.clone()
+    x[3, 64:96] *= 2.0**-14
+    x[5, 0:32] *= 2.0**-15
+    x[5, 256:288] *= 2.0**-15
+    x[8, 480:512] *= 2.0**-16
+    x[13, 32:64] *= 2.0**-40
+    x[21, 128:160] = 0
+    ops, (ws, w2s) = quantize(flash_moe, x, w, w2)
+    xs = ops[1].view(torch.uint8).clone()
+    xs[21, 4] = 200  # zeros under 2^73: still zeros
+    ops = (ops[0], xs.view(torch.float8_e8m0fnu), *ops[2:])
+    monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
+    out = run_ours(flash_moe, ops, ids, weights, split=split)
+    printed = capfd.readouterr().err
+    assert "rebased per token" in printed, (
+        f"expected the f16 decode loop, the op printed: {printed}"
+    )
+    assert torch.isfinite(out).all()
+    emulated = emulate(ops, ws, w2s, ids, weights, split)
+    error = reference.relative_error(out, emulated)
+    assert error <= emulation_bar(split, k), f"relative error {error:.3e} against the emulation"
+    # Per token too: a wrong factor on one token would hide in the whole tensor's norm.
+    for t in (3, 5, 8, 13, 21):
+        token_error = reference.relative_error(out[t], emulated[t])
+        assert token_error <= 4 * emulation_bar(split, k), f"token {t}: {token_error:.3e}"
+
+
+@pytest.mark.parametrize("T", [40, 300, 1200], ids=["decode", "registers", "widened"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
 def test_nan_scale_poisons_exactly_its_token(flash_moe, seed, split, T):
     """A NaN scale (0xFF) makes its block NaN (mxfp8.py's policy): every output of that

@@ -1,6 +1,6 @@
 // Launcher of the MXFP8 fused MoE forward on sm_90a (host side of fused_moe_mxfp8.h): x is
 // dequantized to a bf16 workspace (mxfp8_dequantize.cuh) or, for the decode tiles' gate/up loop,
-// written as unscaled f16 with fp32 block scales (forward::f16_gate_up), then forward_kernels.h's
+// written as f16 with fp32 block factors (forward::f16_gate_up), then forward_kernels.h's
 // launch sequence runs on the MXFP8 weights in one of two ways, by the mean rows per routed expert
 // (forward::mxfp8_widens_weights). The hints' meaning is the bf16 forward's.
 //
@@ -108,21 +108,22 @@ cudaError_t widen(const uint8_t* values, const uint8_t* scales, __nv_bfloat16* o
   return cudaGetLastError();
 }
 
-// Enqueues mxfp8_x_to_f16_kernel over x (T, D): unscaled f16 values and fp32 scales. At decode
-// sizes as a programmatic dependent of the kernel before it (moe_align, as a model calls the op),
-// as the forward's GEMMs are: its blocks then start as moe_align's exit, without a launch's latency
-// between them (H100 timeline, Qwen3-30B-A3B T = 64: a plain launch started 2.1 us after
-// moe_align's end, this one as it ends; the whole call 1.003-1.006x), and its wait, first thing,
-// keeps the order (grid_dependency.cuh).
+// Enqueues mxfp8_x_to_f16_kernel over x (T, D): f16 values, rebased per token where exact, and
+// fp32 block factors. At decode sizes as a programmatic dependent of the kernel before it
+// (moe_align, as a model calls the op), as the forward's GEMMs are: its blocks then start as
+// moe_align's exit, without a launch's latency between them (H100 timeline, Qwen3-30B-A3B
+// T = 64: a plain launch started 2.1 us after moe_align's end, this one as it ends; the whole
+// call 1.003-1.006x), and its wait, first thing, keeps the order (grid_dependency.cuh).
 cudaError_t x_to_f16(const FusedMoeMxfp8Problem& pr, uint16_t* out, float* out_scales,
                      cudaStream_t stream) {
-  const Mxfp8XToF16Params p{pr.x, pr.x_scales, out, out_scales,
-                            int64_t(pr.num_tokens) * pr.dim / kMxfp8ScaleBlock};
-  const int64_t blocks = (p.blocks + kMxfp8DequantizeThreads - 1) / kMxfp8DequantizeThreads;
+  const Mxfp8XToF16Params p{pr.x,       pr.x_scales,   out,
+                            out_scales, pr.num_tokens, int(pr.dim / kMxfp8ScaleBlock)};
+  constexpr int kWarps = kMxfp8XToF16Threads / 32;  // a warp per token
+  const int64_t blocks = (p.tokens + kWarps - 1) / kWarps;
   const bool dependent = pr.num_tokens * pr.top_k <= forward::kDependentLaunchMaxPairs;
   return prime_kernels::launch_kernel(mxfp8_x_to_f16_kernel,
                                       dim3(unsigned(std::min<int64_t>(blocks, 1 << 20))),
-                                      dim3(kMxfp8DequantizeThreads), 0, stream, dependent, p);
+                                      dim3(kMxfp8XToF16Threads), 0, stream, dependent, p);
 }
 
 }  // namespace
@@ -230,9 +231,10 @@ std::string describe_fused_moe_mxfp8_config(const FusedMoeMxfp8Problem& pr,
   if (forward::f16_gate_up<Mxfp8Weights>(shape, c.block_n))
     return forward::describe_config<Mxfp8Weights>(
         shape, requested, c,
-        "x=unscaled f16 pre-pass + gather with fp32 block scales, weights=fp8 TMA, gate/up "
-        "converted to f16 in registers (wgmma RS, out^T) with each 32-block's sum promoted by "
-        "both scales, h=MXFP8 re-quantized");
+        "x=f16 pre-pass (rebased per token where exact) + gather with fp32 block factors, "
+        "weights=fp8 TMA, gate/up converted to f16 in registers (wgmma RS, out^T) with each "
+        "32-block's sum promoted by the weight scale (and the token's where not rebased), "
+        "h=MXFP8 re-quantized");
   return forward::describe_config<Mxfp8Weights>(
       shape, requested, c,
       "x=dequantized pre-pass + gather, weights=fp8 TMA + scales widened to bf16 in registers "

@@ -414,14 +414,16 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
         // The accumulators are out^T: token rows row0 .. + kMmaN, output columns from col0; only
         // the first n_tokens are computed and stored.
         static_assert(Scheduler::kMGrouped, "register-A and e4m3 tiles are M-grouped");
+        // Decided before the mainloop (a skipped tile runs none), so that nothing of it stays
+        // live across the loop: at two CTAs an SM that flag spilled (ptxas).
+        if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
         const int n_tokens = !Mainloop::kCutsTokens ? kRows
                              : has_work ? tile_tokens<kRows>(routed, tid % kRows, 1 + consumer)
                                         : 0;
         const uint32_t nan_rows =
             has_work ? Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.n0 % 128,
-                                     w.num_k_blocks, n_tokens, pass_turn)
+                                     w.num_k_blocks, n_tokens, 1 + consumer, pass_turn)
                      : 0u;
-        if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
         Kernel::Epilogue::store_transposed(p, sched.npp, acc, nan_rows, w, row0, col0,
                                            smem_epilogue + consumer * (Tile::kEpilogueBytes / 2),
                                            1 + consumer, n_tokens);

@@ -153,6 +153,12 @@ __device__ __forceinline__ uint32_t bf16x2_mul_rn(uint32_t a, uint32_t b) {
   return d;
 }
 
+__device__ __forceinline__ uint32_t f16x2_mul_rn(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // Bit 7 of each byte set where that byte of lo or of hi is an e4m3 NaN (low 7 bits all ones:
 // adding 1 to them carries into bit 7 exactly then, and never into the next byte); other bits
 // are left to the caller's mask. With mxfp8_fragment_word's words, bits 7 and 23 are row r0's
