@@ -202,9 +202,10 @@ struct ForwardKernels {
 // against the register-A down GEMM: 1.036x Qwen3-30B-A3B, 1.028x DeepSeek-V3-32, 1.012x
 // Mixtral-8x7B; on the 128-row tiles of Qwen3-30B-A3B T = 1024 (N = 64, whose promotion costs
 // about what the widening does) 0.938x, so those keep the register-A down GEMM on a bf16 h
-// (benchmarks/RESULTS.md twenty-second session). Their gate/up GEMM takes x as unscaled f16 with
-// fp32 scales (x's pre-pass, fused_moe_mxfp8.cu) and converts the weights to f16 rather than
-// widening them to bf16, each block's sum promoted by both scales (WarpgroupMainloopF16, mma.cuh).
+// (benchmarks/RESULTS.md twenty-second session). Their gate/up GEMM takes x as f16 with fp32
+// factors (x's pre-pass, mxfp8_dequantize.cuh: each token rebased where exact) and converts the
+// weights to f16 rather than widening them to bf16, each block's sum promoted by the weight scale
+// and the token's factor (WarpgroupMainloopF16, mma.cuh).
 //
 // Stages are 128 wide in K (MoeGemmTileRS says why).
 template <class Weights, int kBlockM, int kBlockN>
@@ -418,7 +419,7 @@ int tile_block_m(const FusedMoeBf16Problem& pr, int block_n) {
   return int(pr.block_m);
 }
 
-// Whether the forward of this problem and block_n gathers x as unscaled f16 with fp32 scales
+// Whether the forward of this problem and block_n gathers x as f16 with fp32 factors
 // (ForwardKernels::kF16GateUp): what x's MXFP8 pre-pass must write.
 template <class Weights>
 bool f16_gate_up(const FusedMoeBf16Problem& pr, int block_n) {
