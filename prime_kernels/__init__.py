@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 from pathlib import Path
@@ -63,11 +64,15 @@ def _built_arch(name: str) -> tuple[str, ...]:
 
 
 def is_built(name: str) -> bool:
-    """True when the kernel's compiled extension is in this install (python-only: always)."""
+    """True when the kernel's compiled extension is in this install (python-only: always).
+    Looks for the file: importing it (and torch) is for :func:`unavailable_reason`."""
     kernel = spec(name)
     if kernel.python_only:
         return True
-    return importlib.util.find_spec(f"{__name__}.{name}._C") is not None
+    folder = Path(__file__).with_name(name)
+    return any(
+        (folder / f"_C{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES
+    )
 
 
 def _missing_requirement(kernel: KernelSpec) -> str | None:
@@ -113,6 +118,9 @@ def unavailable_reason(name: str, device=None) -> str | None:
             f"{name} requires {sm_list}, this device is sm_{capability[0]}{capability[1]} "
             f"({name} was built for {sm_list}{only})."
         )
+    error = _load_error(name)
+    if error is not None:
+        return f"{name} is compiled into this install but does not load: {error.rstrip('.')}."
     return None
 
 
@@ -123,6 +131,16 @@ def is_available(name: str, device=None) -> bool:
 @functools.cache
 def _import_kernel(name: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{name}")
+
+
+def _load_error(name: str) -> str | None:
+    """Why the kernel's module does not import (an extension built against another torch or
+    CUDA, a damaged file), or None; a failed import is not cached, so a fix is seen."""
+    try:
+        _import_kernel(name)
+    except ImportError as error:
+        return str(error)
+    return None
 
 
 def load(name: str) -> ModuleType:

@@ -138,3 +138,71 @@ def test_registry_import_needs_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "flash_moe" in result.stdout
+
+
+def test_extension_that_does_not_load(monkeypatch):
+    """A compiled extension that fails to import (built against another torch or CUDA, a
+    damaged file) is a reason, not "available" followed by a missing op at the first call."""
+    monkeypatch.setattr(prime_kernels, "is_built", lambda name: True)
+    fake_device(monkeypatch, (9, 0))
+
+    def broken(name):
+        raise ImportError("_C.abi3.so: undefined symbol: aoti_torch_new_symbol")
+
+    monkeypatch.setattr(prime_kernels, "_import_kernel", broken)
+    reason = prime_kernels.unavailable_reason("flash_moe")
+    assert reason == (
+        "flash_moe is compiled into this install but does not load: "
+        "_C.abi3.so: undefined symbol: aoti_torch_new_symbol."
+    )
+    assert prime_kernels.status() == {"flash_moe": reason}
+    with pytest.raises(RuntimeError, match="does not load: _C.abi3.so: undefined symbol"):
+        prime_kernels.load("flash_moe")
+
+
+def test_damaged_extension_file(tmp_path):
+    """The real import path, in a copy of the package whose extension is not a shared library:
+    importing flash_moe fails naming the file and what it was built for, and the registry says
+    so; without the file the package imports and its shape rules still answer."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = Path(prime_kernels.__file__).parent
+    shutil.copytree(package, tmp_path / "prime_kernels", ignore=shutil.ignore_patterns("_C*.so"))
+    extension = tmp_path / "prime_kernels" / "flash_moe" / "_C.abi3.so"
+    code = (
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "torch.cuda.current_device = lambda: 0\n"
+        "torch.cuda.get_device_capability = lambda device=None: (9, 0)\n"
+        "import prime_kernels\n"
+        "print(prime_kernels.is_built('flash_moe'))\n"
+        "print(prime_kernels.unavailable_reason('flash_moe'))\n"
+        "try:\n"
+        "    import prime_kernels.flash_moe as fm\n"
+        "    print('imported', fm.EXTENSION_BUILT, fm.unsupported_shape_reason(4096, 1024))\n"
+        "except ImportError as error:\n"
+        "    print('ImportError:', error)\n"
+    )
+
+    def run():
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()
+
+    assert run() == [
+        "False",
+        "flash_moe is not compiled into this install.",
+        "imported False None",
+    ]
+    extension.write_bytes(b"not a shared library")
+    built, reason, imported = run()
+    assert built == "True"
+    assert reason.startswith("flash_moe is compiled into this install but does not load: ")
+    assert str(extension) in reason and "install the prime-kernels wheel" in reason
+    assert imported.startswith("ImportError: prime_kernels.flash_moe's extension ")
+    assert "was built for torch >= 2.10" in imported

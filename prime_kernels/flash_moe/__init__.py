@@ -10,16 +10,28 @@ own kernels, registered with ``torch.library.register_autograd``.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 try:
-    from . import _C as _constants
-
+    _constants = importlib.import_module(f"{__name__}._C")
     EXTENSION_BUILT = True
-except ImportError:  # not compiled into this install: the shape rules still answer
+except ModuleNotFoundError as error:  # not compiled into this install: the shape rules answer
+    if error.name != f"{__name__}._C":
+        raise
     from . import _constants
 
     EXTENSION_BUILT = False
+except ImportError as error:  # in this install, but it does not load: say why, here
+    from .. import build_info
+
+    built = build_info()
+    raise ImportError(
+        f"{__name__}'s extension {error.path or '_C'} does not load ({error}); it was built for "
+        f"torch >= {built.get('torch_target_version', '2.10')} with CUDA "
+        f"{built.get('torch_cuda', '13')}, so install the prime-kernels wheel that matches this torch"
+    ) from error
 
 BLOCK_M: int = _constants.BLOCK_M
 MXFP8_SCALE_BLOCK: int = _constants.MXFP8_SCALE_BLOCK
