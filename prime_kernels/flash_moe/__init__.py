@@ -28,7 +28,7 @@ except ImportError as error:  # in this install, but it does not load: say why, 
 
     built = build_info()
     raise ImportError(
-        f"{__name__}'s extension {error.path or '_C'} does not load ({error}); it was built for "
+        f"{__name__}'s extension does not load ({error}); it was built for "
         f"torch >= {built.get('torch_target_version', '2.10')} with CUDA "
         f"{built.get('torch_cuda', '13')}, so install the prime-kernels wheel that matches this torch"
     ) from error
