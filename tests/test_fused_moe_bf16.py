@@ -333,6 +333,33 @@ def test_original_tuning_values(flash_moe, seed, split, block_n, warp_n, stages)
     assert reference.relative_error(out, ref) <= BAR
 
 
+# The same values by keyword, the rest left to the wrapper: the original's wrapper defaults
+# (block_n 64, warp_n 4) make each of these one of its tiles, so each is a hint here too, though
+# none names a tile of this kernel (1 stage; 5 past what its 128-wide ring holds). The original
+# takes 5 stages without split only.
+ORIGINAL_KEYWORDS = [
+    {"stages": 1},
+    {"stages": 5, "split": False},
+    {"warp_n": 4},
+    {"block_n": 64, "stages": 1},
+    {"block_n": 32, "warp_n": 8},
+]
+
+
+@pytest.mark.parametrize(
+    "hints", ORIGINAL_KEYWORDS, ids=lambda h: ",".join(f"{k}={v}" for k, v in h.items())
+)
+def test_original_tuning_keywords(flash_moe, seed, hints):
+    generator = torch.Generator().manual_seed(seed)
+    x, w, w2, ids, weights = make_inputs(4096, 512, 512, 16, 4, "uniform", generator)
+    sorted_ids, expert_ids, total = flash_moe.moe_align(ids, 16)
+    split = hints.get("split", True)
+    out = torch.full_like(x, float("nan")) if split else torch.zeros_like(x)
+    flash_moe.fused_moe_bf16(x, w, w2, sorted_ids, expert_ids, total, weights, out, 4, **hints)
+    ref = reference.moe_grouped_mm(x, w, w2, ids, weights)
+    assert reference.relative_error(out, ref) <= BAR
+
+
 PRINT_CONFIG = """
 import torch, prime_kernels
 from prime_kernels.flash_moe import reference

@@ -211,9 +211,11 @@ def fused_moe_bf16(
     ``bpc`` must be those given to :func:`moe_align`. ``block_n``, ``warp_n``, ``stages`` and
     ``cpc`` are hints. None (or 0) takes the kernel's tuned choice for the shape, and so do
     the original's Blackwell tiles, spelled with ``warp_n`` 4 or 8 ((block_n, warp_n) in
-    {(64, 4), (32, 8)}, stages 1..5, cpc 1). With ``warp_n`` None or 2 (this kernel's two
-    consumer warpgroups), ``block_n`` (64, 128; 96 at block_m 128: the ping-pong gate/up
-    tile) and ``stages`` (2 up to what shared memory holds) pin this kernel's own tile.
+    {(64, 4), (32, 8)}, stages 1..5, cpc 1), or by stages alone that only the original's
+    default (64, 4) tile takes (1, or more than this kernel's ring holds). With ``warp_n`` None
+    or 2 (this kernel's two consumer warpgroups), ``block_n`` (64, 128; 96 at block_m 128: the
+    ping-pong gate/up tile) and ``stages`` (2 up to what shared memory holds) pin this
+    kernel's own tile.
     ``cpc`` (1 or 0) is always a hint: the kernel picks its gate/up clusters by the shape.
     ``PRIME_MOE_PRINT_CONFIG=1`` prints what each hint became."""
     torch.ops.prime_moe.fused_moe_bf16(

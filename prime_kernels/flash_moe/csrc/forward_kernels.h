@@ -453,41 +453,68 @@ inline bool is_original_tile(int block_n, int warp_n) {
   return (block_n == 64 && warp_n == 4) || (block_n == 32 && warp_n == 8);
 }
 
+// The gate/up block_n the shape takes when the caller leaves it to the kernel (block_n 0).
+template <class Weights>
+int tuned_block_n(const FusedMoeBf16Problem& problem) {
+  const int block_m = int(problem.block_m);
+  // 128: gate/up tiles of block_m x (128 gate + 128 up), the largest whose fp32
+  // accumulators (128 per consumer thread) fit the 232-register consumer budget, and the
+  // down GEMM's ping-pong tiles (128 x 192 for bf16, ForwardKernels). 64 when even that gives
+  // fewer tiles than SMs, or when a routed expert has at most kDecodeRowsPerExpert rows on
+  // average: decode-sized T, where the blocks are mostly padding and the kernels stream
+  // weights, and more, narrower tiles keep more of them in flight (H200, T = 64, all five
+  // benchmark configs: 0.3-5% less time, Mixtral-8x7B 84% -> 88% of the copy rate; at T =
+  // 1024, 64 to 256 rows an expert, 64 costs up to 11%). Register-A (MXFP8) tiles take 64 up
+  // to kRegisterANarrowRowsPerExpert, which covers T = 1024 too. Real blocks are at most one
+  // partial block per routed expert plus T*k / block_m full ones.
+  const int64_t pairs = problem.num_tokens * problem.top_k;
+  const int64_t routed = std::min(problem.num_experts, pairs);
+  const int64_t blocks = std::min(problem.max_padded / block_m, routed + pairs / block_m);
+  const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
+  const bool narrow = mean_rows_per_expert_at_most(
+      problem, Weights::kRegisterA ? kRegisterANarrowRowsPerExpert : kDecodeRowsPerExpert);
+  // The ping-pong gate/up tile (96) where blocks are full (kPingPongRowsPerExpert rows an
+  // expert on average) and H fills its tiles.
+  const bool ping_pong = has_tile<Weights>(block_m, Bf16Weights::kGateUpPingPongN) &&
+                         pairs >= routed * kPingPongRowsPerExpert &&
+                         fills_ping_pong_tiles(problem.hidden_dim);
+  return (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || narrow) ? 64
+         : ping_pong ? Bf16Weights::kGateUpPingPongN
+                     : 128;
+}
+
+// The original's defaults and the most stages its tiles take (at most 4 with split, 1..4 for
+// MXFP8: check_config's stage_limit).
+inline constexpr int kOriginalBlockN = 64;
+inline constexpr int kOriginalWarpN = 4;
+inline constexpr int kOriginalMaxStages = 5;
+
+// Whether the hints spell one of the original's Blackwell tiles (block_n, warp_n, stages), which
+// name no tile of this kernel and take the tuned choice, as 0 does: warp_n 4 or 8; or, with
+// warp_n left 0, the original's block_n (64, or left 0) and stages that its tiles take and this
+// kernel's ring at that block_n does not (1, or past what the shared memory holds here). The
+// original's wrapper defaults (64, 4) make a call that spells out only its stages one of its
+// tiles, so such a call is one here too.
+template <class Weights>
+bool spells_original_tile(const FusedMoeBf16Problem& problem, const FusedMoeBf16Config& requested) {
+  if (requested.warp_n == 4 || requested.warp_n == 8) return true;
+  if (requested.warp_n != 0 || (requested.block_n != 0 && requested.block_n != kOriginalBlockN) ||
+      requested.stages < 1 || requested.stages > kOriginalMaxStages)
+    return false;
+  const int block_n = requested.block_n != 0 ? requested.block_n : tuned_block_n<Weights>(problem);
+  const int own_limit =
+      max_stages<Weights>(tile_block_m<Weights>(problem, block_n), block_n, problem.device);
+  return requested.stages < kMinStages || requested.stages > own_limit;
+}
+
 template <class Weights>
 FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
                                   const FusedMoeBf16Config& requested) {
   FusedMoeBf16Config c = requested;
-  const int block_m = int(problem.block_m);
-  // warp_n 4 or 8 spells one of the original's Blackwell tiles (block_n, warp_n, stages),
-  // which name no tile of this kernel: they take the tuned choice, as 0 does. Callers that
-  // spell out the original's defaults (64, 4, 2) get the fast tile, not a 2-stage one.
-  const bool original = requested.warp_n == 4 || requested.warp_n == 8;
-  if (original || requested.block_n == 0) {
-    // 128: gate/up tiles of block_m x (128 gate + 128 up), the largest whose fp32
-    // accumulators (128 per consumer thread) fit the 232-register consumer budget, and the
-    // down GEMM's ping-pong tiles (128 x 192 for bf16, ForwardKernels). 64 when even that gives
-    // fewer tiles than SMs, or when a routed expert has at most kDecodeRowsPerExpert rows on
-    // average: decode-sized T, where the blocks are mostly padding and the kernels stream
-    // weights, and more, narrower tiles keep more of them in flight (H200, T = 64, all five
-    // benchmark configs: 0.3-5% less time, Mixtral-8x7B 84% -> 88% of the copy rate; at T =
-    // 1024, 64 to 256 rows an expert, 64 costs up to 11%). Register-A (MXFP8) tiles take 64 up
-    // to kRegisterANarrowRowsPerExpert, which covers T = 1024 too. Real blocks are at most one
-    // partial block per routed expert plus T*k / block_m full ones.
-    const int64_t pairs = problem.num_tokens * problem.top_k;
-    const int64_t routed = std::min(problem.num_experts, pairs);
-    const int64_t blocks = std::min(problem.max_padded / block_m, routed + pairs / block_m);
-    const int64_t tiles = blocks * ((problem.hidden_dim + 127) / 128);
-    const bool narrow = mean_rows_per_expert_at_most(
-        problem, Weights::kRegisterA ? kRegisterANarrowRowsPerExpert : kDecodeRowsPerExpert);
-    // The ping-pong gate/up tile (96) where blocks are full (kPingPongRowsPerExpert rows an
-    // expert on average) and H fills its tiles.
-    const bool ping_pong = has_tile<Weights>(block_m, Bf16Weights::kGateUpPingPongN) &&
-                           pairs >= routed * kPingPongRowsPerExpert &&
-                           fills_ping_pong_tiles(problem.hidden_dim);
-    c.block_n = (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || narrow) ? 64
-                : ping_pong ? Bf16Weights::kGateUpPingPongN
-                            : 128;
-  }
+  // The original's tiles take the tuned choice: callers that spell out the original's defaults
+  // (64, 4, 2) get the fast tile, not a 2-stage one.
+  const bool original = spells_original_tile<Weights>(problem, requested);
+  if (original || requested.block_n == 0) c.block_n = tuned_block_n<Weights>(problem);
   // The consumers are always two warpgroups (tile.cuh); warp_n only chose the tile above.
   c.warp_n = kConsumerWarpgroups;
   // As deep as the shared memory allows (4 stages of 48 KB at 128 x 128): the ring hides
@@ -543,8 +570,9 @@ std::string check_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config
   if (c.cpc != 0 && c.cpc != 1)
     return "cpc=" + std::to_string(c.cpc) + sm90 +
            " as a request (this kernel picks its gate/up clusters by the shape); use 1 or 0";
-  if (c.warp_n == 4 || c.warp_n == 8) {
-    if (!is_original_tile(c.block_n, c.warp_n))
+  if (spells_original_tile<Weights>(pr, c)) {
+    if (!is_original_tile(c.block_n != 0 ? c.block_n : kOriginalBlockN,
+                          c.warp_n != 0 ? c.warp_n : kOriginalWarpN))
       return "block_n=" + std::to_string(c.block_n) + " with warp_n=" + std::to_string(c.warp_n) +
              sm90 + "; the original's tiles are (block_n, warp_n) = (64, 4) or (32, 8), and " +
              "this kernel's block_n " + block_ns + " with warp_n 0 or 2";
@@ -814,7 +842,7 @@ std::string describe_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Con
       " " + loaders + "; asked block_n=" + std::to_string(requested.block_n) +
       " warp_n=" + std::to_string(requested.warp_n) +
       " stages=" + std::to_string(requested.stages) + " cpc=" + std::to_string(requested.cpc);
-  if (requested.warp_n == 4 || requested.warp_n == 8)
+  if (spells_original_tile<Weights>(pr, requested))
     text += " (the original's Blackwell tile: the tuned tile here)";
   return text;
 }
