@@ -168,6 +168,7 @@ struct ForwardKernels {
   // down GEMM reads w2 through the weights policy's map; the gate/up GEMM gathers bf16 x.
   static constexpr bool kE4m3Down = false;
   static constexpr bool kF16GateUp = false;
+  static constexpr bool kRowsReady = false;
   static cudaError_t h_map(CUtensorMap* map, const void* h, uint64_t rows, uint64_t hidden) {
     return prime_kernels::make_tma_2d_bf16_sw128(map, h, rows, hidden, kTmaRowsBoxRows);
   }
@@ -207,6 +208,9 @@ struct ForwardKernels {
 // weights to f16 rather than widening them to bf16, each block's sum promoted by the weight scale
 // and the token's factor (WarpgroupMainloopF16, mma.cuh).
 //
+// The decode tiles' down GEMM starts on h's rows as the gate/up GEMM stores them, not when it ends
+// (RowsReady, moe_gemm.cuh): the counters live beside x's f16 rows, and x's pre-pass zeroes them.
+//
 // Stages are 128 wide in K (MoeGemmTileRS says why).
 template <class Weights, int kBlockM, int kBlockN>
 struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
@@ -215,6 +219,7 @@ struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kDecodeTile = kBlockM == 64 && kBlockN == 64;
   static constexpr bool kE4m3Down = kDecodeTile;
   static constexpr bool kF16GateUp = kDecodeTile;
+  static constexpr bool kRowsReady = kDecodeTile;
   using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2, kF16GateUp>;
   using DownTile = std::conditional_t<kE4m3Down, MoeGemmTileE4m3<kBlockM, 2 * kBlockN>,
                                       MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>>;
@@ -223,12 +228,14 @@ struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   using DownGemm = std::conditional_t<
       kE4m3Down,
       MoeGemm<DownTile, E4m3TokenRows<DownTile>, Epilogue, Mxfp8WeightTiles<DownTile>,
-              MoeTileScheduler, E4m3Consumers, 1, kDownBBeforeWait, kCtasPerSm>,
+              MoeTileScheduler, E4m3Consumers, 1, kDownBBeforeWait, kCtasPerSm,
+              kRowsReady ? RowsReady::kAwait : RowsReady::kNone>,
       MoeGemm<DownTile, TmaRows<DownTile>, Epilogue, Mxfp8WeightTiles<DownTile>, MoeTileScheduler,
               RegisterAConsumers, 1, kDownBBeforeWait, kCtasPerSm>>;
   using GateUp = MoeGemm<GateUpTile, GatherTokenRows<GateUpTile>, SwiGluToMxfp8<kE4m3Down>,
                          Mxfp8WeightTiles<GateUpTile>, MoeTileScheduler, RegisterAConsumers, 1,
-                         false, kCtasPerSm>;
+                         false, kCtasPerSm, kRowsReady ? RowsReady::kSignal : RowsReady::kNone>;
+  static_assert(!kRowsReady || kF16GateUp, "x's f16 pre-pass zeroes the rows-ready counters");
   using GateUpKeepZ = void;  // kKeepsZ is false
   static constexpr bool kGateUpClusters = false;
   using GateUpClustered = void;
@@ -631,9 +638,18 @@ struct Workspace {
   // With an e4m3 h (ForwardKernels::kE4m3Down) h's bytes are (max_padded, H) e4m3, and its block
   // scales (moe_gemm_params.cuh's layout, 128-row blocks) follow them in the same buffer.
   float* h_scales;
+  // The decode tiles' rows-ready counters (ForwardKernels::kRowsReady),
+  // rows_ready_tiles(max_padded) of them: set, and zeroed by x's pre-pass, by the MXFP8 launcher
+  // inside its x_rows_bytes.
+  uint32_t* rows_ready;
   __nv_bfloat16* y;  // (max_padded, D) split only
   size_t bytes;
 };
+
+// The rows-ready counters of a problem whose padded order has max_padded rows.
+inline size_t rows_ready_tiles(int64_t max_padded) {
+  return size_t((max_padded + kRowsReadyTileRows - 1) / kRowsReadyTileRows);
+}
 
 inline Workspace carve_workspace(const FusedMoeBf16Problem& pr, bool split, size_t x_rows_bytes,
                                  void* base) {
@@ -766,6 +782,11 @@ cudaError_t launch_forward(const FusedMoeBf16Problem& pr, const __nv_bfloat16* x
         down.a_scales = ws.h_scales;
       }
       if constexpr (K::kF16GateUp) gate_up.a_scales = ws.x_scales;
+      if constexpr (K::kRowsReady) {
+        gate_up.rows_ready = down.rows_ready = ws.rows_ready;
+        down.rows_ready_count = K::GateUp::Consumers::kWarpgroups *
+                                ((H + K::GateUpTile::kBlockN - 1) / K::GateUpTile::kBlockN);
+      }
       // A clustered gate/up GEMM launches plainly (launch_gemm), after moe_align's end.
       const auto launch_gate_up = [&](auto single, auto clustered) {
         using Single = typename decltype(single)::type;

@@ -63,12 +63,17 @@ FusedMoeBf16Problem shape_of(const FusedMoeMxfp8Problem& pr) {
 }
 
 // x's pre-pass output: (T, D) 16-bit rows (bf16 dequantized, or f16 unscaled for the decode
-// gate/up tile), then room for the latter's fp32 scales (T, D / 32).
+// gate/up tile), then room for the latter's fp32 scales (T, D / 32) and the decode tiles'
+// rows-ready counters, which that pre-pass zeroes.
 size_t x_token_bytes(const FusedMoeMxfp8Problem& pr) {
   return size_t(pr.num_tokens) * size_t(pr.dim) * sizeof(__nv_bfloat16);
 }
+size_t x_scale_bytes(const FusedMoeMxfp8Problem& pr) {
+  return size_t(pr.num_tokens) * size_t(pr.dim / kMxfp8ScaleBlock) * 4;
+}
 size_t x_rows_bytes(const FusedMoeMxfp8Problem& pr) {
-  return x_token_bytes(pr) + size_t(pr.num_tokens) * size_t(pr.dim / kMxfp8ScaleBlock) * 4;
+  return x_token_bytes(pr) + x_scale_bytes(pr) +
+         forward::rows_ready_tiles(pr.max_padded) * sizeof(uint32_t);
 }
 
 // Calls f(Mxfp8WidenedWeights{}) or f(Mxfp8Weights{}): the weights policy this problem runs.
@@ -115,9 +120,11 @@ cudaError_t widen(const uint8_t* values, const uint8_t* scales, __nv_bfloat16* o
 // T = 64: a plain launch started 2.1 us after moe_align's end, this one as it ends; the whole
 // call 1.003-1.006x), and its wait, first thing, keeps the order (grid_dependency.cuh).
 cudaError_t x_to_f16(const FusedMoeMxfp8Problem& pr, uint16_t* out, float* out_scales,
-                     cudaStream_t stream) {
-  const Mxfp8XToF16Params p{pr.x,       pr.x_scales,   out,
-                            out_scales, pr.num_tokens, int(pr.dim / kMxfp8ScaleBlock)};
+                     uint32_t* rows_ready, cudaStream_t stream) {
+  const Mxfp8XToF16Params p{pr.x,          pr.x_scales,
+                            out,           out_scales,
+                            pr.num_tokens, int(pr.dim / kMxfp8ScaleBlock),
+                            rows_ready,    int64_t(forward::rows_ready_tiles(pr.max_padded))};
   constexpr int kWarps = kMxfp8XToF16Threads / 32;  // a warp per token
   const int64_t blocks = (p.tokens + kWarps - 1) / kWarps;
   const bool dependent = pr.num_tokens * pr.top_k <= forward::kDependentLaunchMaxPairs;
@@ -175,10 +182,11 @@ cudaError_t launch_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMo
   cudaError_t err;
   if (!forward::mxfp8_widens_weights(shape) &&
       forward::f16_gate_up<Mxfp8Weights>(shape, c.block_n)) {
-    float* x_scales =
-        reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(ws.x_rows) + x_token_bytes(pr));
+    uint8_t* x_rows = reinterpret_cast<uint8_t*>(ws.x_rows);
+    float* x_scales = reinterpret_cast<float*>(x_rows + x_token_bytes(pr));
     ws.x_scales = x_scales;
-    err = x_to_f16(pr, reinterpret_cast<uint16_t*>(ws.x_rows), x_scales, stream);
+    ws.rows_ready = reinterpret_cast<uint32_t*>(x_rows + x_token_bytes(pr) + x_scale_bytes(pr));
+    err = x_to_f16(pr, reinterpret_cast<uint16_t*>(ws.x_rows), x_scales, ws.rows_ready, stream);
   } else {
     err = widen<false>(pr.x, pr.x_scales, ws.x_rows, pr.num_tokens, pr.dim, 0, stream);
   }

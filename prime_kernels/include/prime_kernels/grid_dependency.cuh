@@ -13,6 +13,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <utility>
 
 namespace prime_kernels {
@@ -40,6 +41,25 @@ __device__ __forceinline__ void grid_dependency_wait() {
 
 __device__ __forceinline__ void launch_dependent_grids() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// Counters by which a dependent starts on parts of the earlier kernel's output before that kernel
+// ends (the MXFP8 decode forward's h rows, moe_gemm.cuh). The writer, after a barrier over the
+// threads whose stores the count covers, adds with release semantics; the reader loads with
+// acquire semantics, then fences the async proxy so that its TMA and bulk copies issued after
+// see what the load made visible (those stores went through the generic proxy).
+__device__ __forceinline__ void red_release_gpu_add(uint32_t* address, uint32_t value) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(address), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* address) {
+  uint32_t value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
 }  // namespace prime_kernels

@@ -38,6 +38,19 @@
 // them (moe_align; fused_moe_mxfp8's widening pre-pass, a plain launch ahead of the gate/up
 // GEMM) finished before that wait returned. At decode sizes the weight stream of the down GEMM then
 // starts on each SM as soon as a gate/up CTA leaves it.
+//
+// RowsReady (the MXFP8 decode forward, forward_kernels.h) lets the down GEMM start on h's rows
+// before the whole gate/up GEMM ends. The gate/up GEMM (kSignal) counts each consumer
+// warpgroup's stored tile into its 64 rows' counter (a warpgroup barrier, then one release add);
+// the down GEMM (kAwait) copies a tile's h only once that counter holds every gate/up
+// warpgroup tile of those rows (an acquire load, then the async-proxy fence before its TMA).
+// Its consumers then skip the wait for the gate/up GEMM: they read only what arrives in the stage
+// and the routing. One idle producer warp waits for it instead and then lets the combine launch
+// (it reads pair_to_row, which the gate/up producer writes, before its own wait): every CTA still
+// waits before it exits, and the combine's wait still covers the gate/up GEMM. At decode sizes
+// the gate/up GEMM completes its blocks in order (the scheduler's raster groups), so by the
+// time its last CTAs leave their SMs to the down GEMM, the rows of the down GEMM's first tiles
+// were stored long before, and the down GEMM streams w2 during the gate/up GEMM's tail.
 #pragma once
 
 #include <cuda.h>
@@ -60,6 +73,10 @@
 
 namespace prime_moe {
 
+// How a forward GEMM hands h to the next one (above): not at all (the next one waits for the whole
+// kernel), by counting its stored tiles, or by copying a tile's h once it is counted.
+enum class RowsReady { kNone, kSignal, kAwait };
+
 // Whether clusters of cluster_m CTAs can share BLoad's tiles: its TMA boxes split evenly.
 template <class BLoad>
 constexpr bool splits_b(int cluster_m) {
@@ -72,7 +89,8 @@ constexpr bool splits_b(int cluster_m) {
 template <class Tile_, class ALoad_, class Epilogue_, class BLoad_ = TmaWeightTiles<Tile_>,
           class Scheduler_ = MoeTileScheduler,
           template <class, class, class> class Consumers_ = CooperativeConsumers,
-          int kClusterM_ = 1, bool kBBeforeWait_ = false, int kCtasPerSm_ = 1>
+          int kClusterM_ = 1, bool kBBeforeWait_ = false, int kCtasPerSm_ = 1,
+          RowsReady kRowsReady_ = RowsReady::kNone>
 struct MoeGemm {
   using Tile = Tile_;
   using ALoad = ALoad_;
@@ -83,6 +101,7 @@ struct MoeGemm {
   static constexpr int kClusterM = kClusterM_;
   static constexpr bool kBBeforeWait = kBBeforeWait_;
   static constexpr int kCtasPerSm = kCtasPerSm_;
+  static constexpr RowsReady kRowsReady = kRowsReady_;
   static constexpr bool kFenceGenericWrites =
       ALoad::kGenericProxyWrites || BLoad::kGenericProxyWrites;
   // Register-A consumers (MXFP8 weights widened in registers, or converted to f16 on a tile of
@@ -150,6 +169,13 @@ struct MoeGemm {
                 "copies before the wait are issued by the one TMA thread of a single CTA");
   static_assert(splits_b<BLoad>(kClusterM),
                 "a cluster splits the B tile's TMA boxes between its CTAs");
+  static_assert(kRowsReady == RowsReady::kNone ||
+                    (Consumers::kTokensAlongN && Tile::kBlockM == kRowsReadyTileRows),
+                "rows-ready counters count 64-row tiles of the register-A forward");
+  static_assert(kRowsReady != RowsReady::kSignal || !Consumers::kPingPong,
+                "each consumer warpgroup of the tile counts its own stored columns");
+  static_assert(kRowsReady != RowsReady::kAwait || (kBBeforeWait && kProducerThreads <= 32),
+                "the one TMA thread awaits the rows; warp 1 of the producer waits for the kernel");
 
   // The epilogue's shared memory (Tile::kEpilogueBytes, inside Tile::smem_bytes), the ring, then
   // (ping-pong) the two turn barriers.
@@ -203,6 +229,24 @@ __device__ __forceinline__ int tile_tokens(bool routed, int token, int barrier_i
   int n = kRows;
   while (n > 16 && !prime_kernels::warpgroup_any(routed && token >= n / 2, barrier_id)) n /= 2;
   return n;
+}
+
+// RowsReady::kAwait: waits until every gate/up warpgroup tile of the tile's 64 rows has stored its
+// part of h. The counts cannot fall short (both GEMMs skip the same tiles: the scheduler's work()
+// on the same routing), but if one ever did, the wait for the whole gate/up GEMM after about 0.1 s
+// of polls makes it a slow call rather than a hang.
+__device__ __forceinline__ void await_rows(const MoeGemmParams& p, const MoeWorkTile& w) {
+  using namespace prime_kernels;
+  constexpr int kMaxPolls = 1 << 17;
+  const uint32_t* counter = p.rows_ready + w.row0 / kRowsReadyTileRows;
+  for (int polls = 0; ld_acquire_gpu(counter) < uint32_t(p.rows_ready_count); ++polls) {
+    if (polls == kMaxPolls) {
+      grid_dependency_wait();
+      break;
+    }
+    __nanosleep(256);
+  }
+  fence_proxy_async_global();
 }
 
 // B loaders that can split their tile take the cluster's BoxShare; the others copy it whole.
@@ -260,8 +304,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
   // of a kBBeforeWait producer (its own wait follows them). Every thread triggers its
   // dependents only after its own wait: a dependent may then read, before its wait, what the
   // kernels before this one wrote (moe_combine_kernel reads pair_to_row so).
+  constexpr bool kAwaitRows = Kernel::kRowsReady == RowsReady::kAwait;
   const bool b_before_wait = Kernel::kBBeforeWait && warpgroup == 0;
-  if (!b_before_wait) {
+  if (!b_before_wait && !kAwaitRows) {
     grid_dependency_wait();
     launch_dependent_grids();
   }
@@ -273,6 +318,10 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
 
   if (warpgroup == 0) {
     setmaxnreg_dec<Kernel::kProducerRegs>();
+    if (kAwaitRows && tid / 32 == 1) {
+      grid_dependency_wait();
+      launch_dependent_grids();
+    }
     if (tid < Kernel::kProducerThreads) {
       ALoad a_load(tid);
       BLoad b_load(tid);
@@ -292,8 +341,12 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
                    BoxShare{});
           }
         }
-        grid_dependency_wait();
-        launch_dependent_grids();
+        if constexpr (kAwaitRows) {
+          if (first_steps > 0) await_rows(p, w);
+        } else {
+          grid_dependency_wait();
+          launch_dependent_grids();
+        }
         for (int kb = 0; kb < first_steps; ++kb)
           a_load.load(p, &tmap_a, smem_a + size_t(kb) * Tile::kABytes, &ring.full[kb], kb);
         rs.advance(stages, first_steps);
@@ -335,7 +388,12 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
             mbarrier_arrive_expect_tx(full, tile_tma_bytes(a_load) + tile_tma_bytes(b_load));
           // TMA (one thread) before the gathers, so thread 0's copies are not queued behind
           // its share of a gather.
-          if constexpr (ALoad::kThreads <= BLoad::kThreads) {
+          if constexpr (kAwaitRows) {
+            // The weights need no wait: they go first.
+            load_b(b_load, p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb, share);
+            if (kb == 0) await_rows(p, w);
+            a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
+          } else if constexpr (ALoad::kThreads <= BLoad::kThreads) {
             if (tid < ALoad::kThreads)
               a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
             if (tid < BLoad::kThreads)
@@ -362,7 +420,21 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
     ConsumerTurns turns{turn_barriers};
     typename Mainloop::Accumulators acc;
     int seq = 0;  // the tile's place among the CTA's tiles (a cluster's missing ones too)
+    // RowsReady::kSignal: the first row of the tile whose h this warpgroup has stored and not yet
+    // counted, or -1. Counted at the next tile's start rather than right after its epilogue: a
+    // barrier there cost the two-CTA tile's 104 consumer registers a spill (ptxas).
+    int stored_rows = -1;
+    const auto count_stored_rows = [&] {
+      if constexpr (Kernel::kRowsReady == RowsReady::kSignal) {
+        if (stored_rows >= 0) {
+          named_barrier_sync(1 + consumer, 128);
+          if (tid == 0) red_release_gpu_add(p.rows_ready + stored_rows / kRowsReadyTileRows, 1);
+          stored_rows = -1;
+        }
+      }
+    };
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      count_stored_rows();
       const bool has_tile = sched.work(t, p, w);
       if (!kCluster && !has_tile) continue;  // in a cluster its stages still pass (producer)
       const int this_seq = seq++;
@@ -410,13 +482,19 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
       const auto pass_turn = [&] {
         if constexpr (Consumers::kPingPong) turns.pass_turn(consumer);
       };
+      // The warpgroup's columns of this tile's h are counted as stored at the next tile's start
+      // or the loop's end (RowsReady::kSignal).
+      const auto signal_rows = [&] { stored_rows = w.row0; };
       if constexpr (Consumers::kTokensAlongN) {
         // The accumulators are out^T: token rows row0 .. + kMmaN, output columns from col0; only
         // the first n_tokens are computed and stored.
         static_assert(Scheduler::kMGrouped, "register-A and e4m3 tiles are M-grouped");
         // Decided before the mainloop (a skipped tile runs none), so that nothing of it stays
         // live across the loop: at two CTAs an SM that flag spilled (ptxas).
-        if (skipped && !Kernel::Epilogue::kWritesPaddingRows) continue;
+        if (skipped && !Kernel::Epilogue::kWritesPaddingRows) {
+          signal_rows();
+          continue;
+        }
         const int n_tokens = !Mainloop::kCutsTokens ? kRows
                              : has_work ? tile_tokens<kRows>(routed, tid % kRows, 1 + consumer)
                                         : 0;
@@ -427,6 +505,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
         Kernel::Epilogue::store_transposed(p, sched.npp, acc, nan_rows, w, row0, col0,
                                            smem_epilogue + consumer * (Tile::kEpilogueBytes / 2),
                                            1 + consumer, n_tokens);
+        signal_rows();
       } else {
         if (has_work)
           Mainloop::run(acc, ring, rs, smem_a, smem_b, m_offset, n_offset, w.num_k_blocks,
@@ -439,6 +518,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
           Kernel::Epilogue::store(p, sched.npp, acc[mh], has_work, w, row0 + 64 * mh, col0);
       }
     }
+    count_stored_rows();
   }
   // The partner may still copy into this CTA's stages or arrive on its barriers until both
   // are done: neither exits before.

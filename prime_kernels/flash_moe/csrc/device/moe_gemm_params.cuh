@@ -41,6 +41,12 @@ struct MoeGemmParams {
   // stage's scales are four contiguous runs (h_scale_index).
   float* out_scales;
   const float* a_scales;
+  // The same decode tiles' rows-ready counters (moe_gemm.cuh, RowsReady), one per 64-row tile of
+  // the padded order: the gate/up GEMM adds 1 as each consumer warpgroup has stored its columns
+  // of a tile's h, and the down GEMM copies a tile's h rows once the count is rows_ready_count
+  // (every gate/up warpgroup tile of those rows). x's pre-pass zeroes them.
+  uint32_t* rows_ready;
+  int rows_ready_count;
 
   // Training. z: the gate/up pre-activations [g | u] per padded row (max_padded, 2H),
   // written by the training forward and read by dh's epilogue, which also writes
@@ -61,6 +67,9 @@ __device__ __forceinline__ size_t h_scale_index(int row, int block, int k_dim) {
   return (size_t(row / 128) * size_t(k_dim / 128) + size_t(block / 4)) * 512 + (block % 4) * 128 +
          row % 128;
 }
+
+// Rows a rows-ready counter covers (MoeGemmParams::rows_ready): the decode tiles' block_m.
+constexpr int kRowsReadyTileRows = 64;
 
 // Rows routed to a pair: row < npp and 0 <= id < T*k; anything else (padding, garbage)
 // loads zeros and is neither scattered nor added.

@@ -78,6 +78,8 @@ struct Mxfp8XToF16Params {
   float* out_scales;      // (T, D/32)
   int64_t tokens;         // T
   int k_blocks;           // D / 32
+  uint32_t* rows_ready;   // the forward's rows-ready counters (moe_gemm.cuh), zeroed here
+  int64_t rows_ready_tiles;
 };
 
 // Most a rebased block's scale may lie below its token's base (the comment above).
@@ -104,6 +106,11 @@ __global__ void __launch_bounds__(kMxfp8XToF16Threads)
   // dependent, may launch from here on: its CTAs set up under this kernel and wait for its end
   // before they read x.
   prime_kernels::grid_dependency_wait();
+  // Zeroed before this kernel ends: the gate/up GEMM counts into them only past its wait for it,
+  // and the down GEMM, launched after that wait, reads them.
+  for (int64_t i = int64_t(blockIdx.x) * kMxfp8XToF16Threads + threadIdx.x; i < p.rows_ready_tiles;
+       i += int64_t(gridDim.x) * kMxfp8XToF16Threads)
+    p.rows_ready[i] = 0;
   prime_kernels::launch_dependent_grids();
   constexpr int kWarps = kMxfp8XToF16Threads / 32;
   const int lane = threadIdx.x % 32;
