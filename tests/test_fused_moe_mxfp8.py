@@ -237,20 +237,23 @@ def test_poisoned_workspace(flash_moe, seed, split, block_m, T):
     check(flash_moe, inputs, split=split, block_m=block_m)
 
 
+@pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_decode_down_gemm_reads_only_stored_h(flash_moe, seed, monkeypatch, capfd, split):
+def test_decode_down_gemm_reads_only_stored_h(flash_moe, seed, monkeypatch, capfd, split, block_m):
     """On the decode tiles the down GEMM copies a 64-row tile's h as soon as the gate/up GEMM has
     counted every column of it stored, while other gate/up tiles still run (RowsReady,
     csrc/device/moe_gemm.cuh). Here each GEMM has about two waves of tiles, so the down GEMM's
-    first tiles start while the gate/up GEMM's last ones run. The workspace (h included) is
-    NaN-poisoned before each of three calls: h read before it is stored would put NaN in out,
-    and stale h from the call before would miss the emulation."""
+    first tiles start while the gate/up GEMM's last ones run, and H = 768 (12 gate/up n tiles)
+    gives two raster groups, so that a block's h is complete only in the second. block_m = 128
+    runs the 64-row tiles over 128-row blocks (upper tiles skipped), 64 one tile a block. The
+    workspace (h included) is NaN-poisoned before each of three calls: h read before it is
+    stored would put NaN in out, and stale h from the call before would miss the emulation."""
     generator = torch.Generator().manual_seed(seed)
     monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
     for _ in range(3):
-        inputs = make_inputs(64, 1024, 512, 64, 8, "uniform", generator)
+        inputs = make_inputs(64, 1024, 768, 64, 8, "uniform", generator)
         poison_allocator()
-        check(flash_moe, inputs, split=split)
+        check(flash_moe, inputs, split=split, block_m=block_m)
         assert "converted to f16" in capfd.readouterr().err, "expected the decode tiles"
 
 

@@ -234,14 +234,18 @@ __device__ __forceinline__ int tile_tokens(bool routed, int token, int barrier_i
 // RowsReady::kAwait: waits until every gate/up warpgroup tile of the tile's 64 rows has stored its
 // part of h. The counts cannot fall short (both GEMMs skip the same tiles: the scheduler's work()
 // on the same routing), but if one ever did, the wait for the whole gate/up GEMM after about 0.1 s
-// of polls makes it a slow call rather than a hang.
-__device__ __forceinline__ void await_rows(const MoeGemmParams& p, const MoeWorkTile& w) {
+// of polls makes it a slow call rather than a hang; all_stored then remembers that every tile is,
+// so that the CTA's later tiles do not poll again.
+__device__ __forceinline__ void await_rows(const MoeGemmParams& p, const MoeWorkTile& w,
+                                           bool& all_stored) {
   using namespace prime_kernels;
+  if (all_stored) return;
   constexpr int kMaxPolls = 1 << 17;
   const uint32_t* counter = p.rows_ready + w.row0 / kRowsReadyTileRows;
   for (int polls = 0; ld_acquire_gpu(counter) < uint32_t(p.rows_ready_count); ++polls) {
     if (polls == kMaxPolls) {
       grid_dependency_wait();
+      all_stored = true;
       break;
     }
     __nanosleep(256);
@@ -328,6 +332,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
       // kBBeforeWait: the K steps of the CTA's first tile whose stages hold B, and the A copies
       // behind the wait.
       int first_steps = 0;
+      bool all_rows_stored = false;  // RowsReady::kAwait: await_rows fell back to the wait
       if constexpr (Kernel::kBBeforeWait) {
         if (int(blockIdx.x) < num_tiles && sched.work(blockIdx.x, p, w)) {
           a_load.start_tile(p, sched.npp, w);
@@ -342,7 +347,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
           }
         }
         if constexpr (kAwaitRows) {
-          if (first_steps > 0) await_rows(p, w);
+          if (first_steps > 0) await_rows(p, w, all_rows_stored);
         } else {
           grid_dependency_wait();
           launch_dependent_grids();
@@ -391,7 +396,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
           if constexpr (kAwaitRows) {
             // The weights need no wait: they go first.
             load_b(b_load, p, &tmap_b, smem_b + size_t(rs.stage) * Tile::kBBytes, full, kb, share);
-            if (kb == 0) await_rows(p, w);
+            if (kb == 0) await_rows(p, w, all_rows_stored);
             a_load.load(p, &tmap_a, smem_a + size_t(rs.stage) * Tile::kABytes, full, kb);
           } else if constexpr (ALoad::kThreads <= BLoad::kThreads) {
             if (tid < ALoad::kThreads)
