@@ -492,11 +492,12 @@ int tuned_block_n(const FusedMoeBf16Problem& problem) {
                      : 128;
 }
 
-// The original's defaults and the most stages its tiles take (at most 4 with split, 1..4 for
-// MXFP8: check_config's stage_limit).
+// The original's defaults, and the most stages its tiles take: check_config's stage_limit for
+// bf16 (the original takes 5 without split only; here they are hints either way) and for MXFP8.
 inline constexpr int kOriginalBlockN = 64;
 inline constexpr int kOriginalWarpN = 4;
 inline constexpr int kOriginalMaxStages = 5;
+inline constexpr int kOriginalMxfp8MaxStages = 4;
 
 // Whether the hints spell one of the original's Blackwell tiles (block_n, warp_n, stages), which
 // name no tile of this kernel and take the tuned choice, as 0 does: warp_n 4 or 8; or, with

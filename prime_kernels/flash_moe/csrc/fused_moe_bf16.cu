@@ -31,7 +31,7 @@ FusedMoeBf16Config resolve_fused_moe_bf16_config(const FusedMoeBf16Problem& prob
 }
 
 std::string check_fused_moe_bf16(const FusedMoeBf16Problem& pr, const FusedMoeBf16Config& c) {
-  std::string error = forward::check_config<Bf16Weights>(pr, c, 5);
+  std::string error = forward::check_config<Bf16Weights>(pr, c, forward::kOriginalMaxStages);
   if (!error.empty()) return error;
   if (pr.num_tokens > 0 &&
       (!aligned16(pr.x) || !aligned16(pr.w) || !aligned16(pr.w2) || !aligned16(pr.out)))

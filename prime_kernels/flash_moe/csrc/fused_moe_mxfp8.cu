@@ -154,8 +154,9 @@ std::string check_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMoe
            "; it must be a positive multiple of " + std::to_string(kMxfp8HiddenMultiple) +
            " (the blocked scale layout's 128-row tiles of w and 4-column tiles of w2's H/32)";
   const FusedMoeBf16Problem shape = shape_of(pr);
-  std::string error = with_weights(
-      shape, [&](auto weights) { return forward::check_config<decltype(weights)>(shape, c, 4); });
+  std::string error = with_weights(shape, [&](auto weights) {
+    return forward::check_config<decltype(weights)>(shape, c, forward::kOriginalMxfp8MaxStages);
+  });
   if (!error.empty()) return error;
   if (pr.num_tokens > 0 &&
       (!aligned16(pr.x) || !aligned16(pr.w) || !aligned16(pr.w2) || !aligned16(pr.out) ||
