@@ -171,8 +171,12 @@ __device__ __forceinline__ uint64_t token_desc_step(uint64_t desc, int kk) {
 // step kk's are converted while step kk - 1's wgmmas run, into the buffer step kk - 2 used,
 // which wgmma_wait<1> after step kk - 1's issue retired; the next step's bytes are loaded
 // before that wait, so their latency hides behind it. A stage goes back to the producer once its
-// last step's group is retired (at the next slice's first wait), after a proxy fence: the bytes
-// were read through the generic proxy, the producer's TMA rewrites them through the async one.
+// last step's group is retired (at the next slice's first wait). No proxy fence comes before that
+// release, though the bytes were read through the generic proxy and the producer's TMA rewrites
+// them through the async one: every read of the stage has returned by then (its value feeds an
+// instruction ahead of the arrive), and the TMA waits on that arrive, as in CUTLASS's sm90
+// mixed-input mainloop. The fence's MEMBAR.ALL.CTA was a stall of its own in every stage (ncu
+// stall samples of the decode loop, docs/flash_moe_mxfp8_design.md).
 template <class Tile, class Consumers, bool kFenceGenericWrites>
 struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites> {
   using Base = WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites>;
@@ -318,10 +322,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
         wgmma_commit();
         if (round + 1 < kRounds) load_raw(round + 1);
         wgmma_wait<1>();
-        if (round == 0 && kb > 0) {
-          fence_proxy_async_shared();
-          Base::release(ring, prev_stage);
-        }
+        if (round == 0 && kb > 0) Base::release(ring, prev_stage);
       }
       prev_stage = rs.stage;
       rs.advance(ring.stages);
@@ -330,7 +331,6 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
     wgmma_wait<0>();
 #pragma unroll
     for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
-    fence_proxy_async_shared();
     Base::release(ring, prev_stage);
     uint32_t nan_rows = 0;
 #pragma unroll
@@ -367,7 +367,8 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
 // into another is in flight makes ptxas serialize every wgmma (C7514), so the overlap of the
 // promotion with the tensor core comes from the other consumer warps (two CTAs an SM at decode
 // sizes: four a scheduler), as in DeepGEMM's and CUTLASS's fp8 block-scaled mainloops. A stage
-// goes back to the producer once its last block is promoted (the promotion reads its scales).
+// goes back to the producer once its last block is promoted (the promotion reads its scales),
+// without a proxy fence, as WarpgroupMainloopRS releases.
 template <class Tile, class Consumers, bool kFenceGenericWrites>
 struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites> {
   using Base = WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites>;
@@ -498,7 +499,6 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
           promote(tmp[bb], stage_a, b0 + bb);
         }
       }
-      fence_proxy_async_shared();
       Base::release(ring, rs.stage);
       rs.advance(ring.stages);
     }
@@ -792,8 +792,7 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
           }
         }
       }
-      fence_proxy_async_shared();
-      Base::release(ring, rs.stage);
+      Base::release(ring, rs.stage);  // no proxy fence, as WarpgroupMainloopRS releases
       rs.advance(ring.stages);
     }
     issued();
