@@ -62,8 +62,21 @@ FusedMoeBf16Problem shape_of(const FusedMoeMxfp8Problem& pr) {
   return s;
 }
 
+// Calls f(Mxfp8WidenedWeights{}) or f(Mxfp8Weights{}): the weights policy this problem runs.
+template <class F>
+auto with_weights(const FusedMoeBf16Problem& shape, F&& f) {
+  return forward::mxfp8_widens_weights(shape) ? f(Mxfp8WidenedWeights{}) : f(Mxfp8Weights{});
+}
+
+// Whether the gate/up GEMM reads x as f16 with fp32 block factors (the decode tile), not as bf16.
+bool x_as_f16(const FusedMoeMxfp8Problem& pr, int block_n) {
+  const FusedMoeBf16Problem shape = shape_of(pr);
+  return !forward::mxfp8_widens_weights(shape) &&
+         forward::f16_gate_up<Mxfp8Weights>(shape, block_n);
+}
+
 // x's pre-pass output: (T, D) 16-bit rows (bf16 dequantized, or f16 unscaled for the decode
-// gate/up tile), then room for the latter's fp32 scales (T, D / 32) and the decode tiles'
+// gate/up tile), then, for the latter only, its fp32 scales (T, D / 32) and the decode tiles'
 // rows-ready counters, which that pre-pass zeroes.
 size_t x_token_bytes(const FusedMoeMxfp8Problem& pr) {
   return size_t(pr.num_tokens) * size_t(pr.dim) * sizeof(__nv_bfloat16);
@@ -71,15 +84,10 @@ size_t x_token_bytes(const FusedMoeMxfp8Problem& pr) {
 size_t x_scale_bytes(const FusedMoeMxfp8Problem& pr) {
   return size_t(pr.num_tokens) * size_t(pr.dim / kMxfp8ScaleBlock) * 4;
 }
-size_t x_rows_bytes(const FusedMoeMxfp8Problem& pr) {
+size_t x_rows_bytes(const FusedMoeMxfp8Problem& pr, int block_n) {
+  if (!x_as_f16(pr, block_n)) return x_token_bytes(pr);
   return x_token_bytes(pr) + x_scale_bytes(pr) +
          forward::rows_ready_tiles(pr.max_padded) * sizeof(uint32_t);
-}
-
-// Calls f(Mxfp8WidenedWeights{}) or f(Mxfp8Weights{}): the weights policy this problem runs.
-template <class F>
-auto with_weights(const FusedMoeBf16Problem& shape, F&& f) {
-  return forward::mxfp8_widens_weights(shape) ? f(Mxfp8WidenedWeights{}) : f(Mxfp8Weights{});
 }
 
 // The widened weights, after the forward's workspace (prefill sizes only).
@@ -171,7 +179,8 @@ size_t fused_moe_mxfp8_workspace_bytes(const FusedMoeMxfp8Problem& problem,
                                        const FusedMoeMxfp8Config& config) {
   const FusedMoeBf16Problem shape = shape_of(problem);
   const size_t bytes =
-      forward::carve_workspace(shape, config.split, x_rows_bytes(problem), nullptr).bytes;
+      forward::carve_workspace(shape, config.split, x_rows_bytes(problem, config.block_n), nullptr)
+          .bytes;
   return bytes + (forward::mxfp8_widens_weights(shape) ? widened_bytes(problem) : 0);
 }
 
@@ -179,10 +188,10 @@ cudaError_t launch_fused_moe_mxfp8(const FusedMoeMxfp8Problem& pr, const FusedMo
                                    void* workspace, cudaStream_t stream) {
   if (pr.num_tokens == 0) return cudaSuccess;  // out is empty
   const FusedMoeBf16Problem shape = shape_of(pr);
-  forward::Workspace ws = forward::carve_workspace(shape, c.split, x_rows_bytes(pr), workspace);
+  forward::Workspace ws =
+      forward::carve_workspace(shape, c.split, x_rows_bytes(pr, c.block_n), workspace);
   cudaError_t err;
-  if (!forward::mxfp8_widens_weights(shape) &&
-      forward::f16_gate_up<Mxfp8Weights>(shape, c.block_n)) {
+  if (x_as_f16(pr, c.block_n)) {
     uint8_t* x_rows = reinterpret_cast<uint8_t*>(ws.x_rows);
     float* x_scales = reinterpret_cast<float*>(x_rows + x_token_bytes(pr));
     ws.x_scales = x_scales;
