@@ -83,8 +83,8 @@ struct WarpgroupMainloop {
         for (int mh = 0; mh < Consumers::kMmaM; ++mh) {
 #pragma unroll
           for (int b = 0; b < Consumers::kNumMma; ++b)
-            Mma::mma(acc[mh][b], desc_a + (mh * 64 * 128 >> 4) + ALayout::kDescPerK16 * kk,
-                     desc_b + (b * Tile::kBlockN * 128 >> 4) + BLayout::kDescPerK16 * kk,
+            Mma::mma(acc[mh][b], desc_add(desc_a, (mh * 64 * 128 >> 4) + ALayout::kDescPerK16 * kk),
+                     desc_add(desc_b, (b * Tile::kBlockN * 128 >> 4) + BLayout::kDescPerK16 * kk),
                      (kb | kk) != 0);
         }
       }
@@ -152,13 +152,11 @@ __device__ __forceinline__ void register_a_rows(int warp, int g, int column, int
 }
 
 // k16 step kk's descriptor of a stage's token rows (wgmma's B in the register-A loops), from the
-// stage's: a 32-bit add to the start address field (it cannot carry out of it: shared memory
-// addresses are below 2^18), which ptxas otherwise does in 64 bits, with a carry and one more
-// move to uniform registers, in every k16 step.
+// stage's.
 template <class Tile, class ALayout>
 __device__ __forceinline__ uint64_t token_desc_step(uint64_t desc, int kk) {
-  const uint32_t offset = (kk / 4) * (Tile::kAAtomBytes >> 4) + ALayout::kDescPerK16 * (kk % 4);
-  return (desc >> 32) << 32 | uint32_t(uint32_t(desc) + offset);
+  return prime_kernels::desc_add(
+      desc, (kk / 4) * (Tile::kAAtomBytes >> 4) + ALayout::kDescPerK16 * (kk % 4));
 }
 
 // The register-A consumer loop (RegisterAConsumers, MoeGemmTileRS): per K slice, each thread
@@ -461,18 +459,12 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
       if constexpr (kFenceGenericWrites) fence_proxy_async_shared();
       const uint32_t stage_a = smem_addr(smem_a + size_t(rs.stage) * Tile::kABytes);
       const uint32_t stage_b = smem_addr(smem_b + size_t(rs.stage) * Tile::kBBytes);
-      // Both descriptors share their high word (stride and swizzle); the blocks' K steps and the
-      // m64 blocks' rows are 32-bit adds to the start address field (shared memory addresses are
-      // below 2^18: no carry out of it), which ptxas otherwise does in 64 bits with carries and
-      // moves to uniform registers (SASS: 40 IMAD and IADD3 a stage at N = 16).
+      // The blocks' K steps and the m64 blocks' rows by desc_add (64-bit adds took 40 IMAD and
+      // IADD3 a stage at N = 16, SASS).
       const uint64_t desc_w =
           SmemKMajor::desc(smem_b + size_t(rs.stage) * Tile::kBBytes + row_offset * 128);
-      const uint32_t desc_hi = uint32_t(desc_w >> 32), w_lo = uint32_t(desc_w);
-      const uint32_t t_lo = uint32_t(
-          SmemKMajor::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128));
-      const auto desc = [&](uint32_t lo, uint32_t offset) {
-        return uint64_t(desc_hi) << 32 | uint32_t(lo + offset);
-      };
+      const uint64_t desc_t =
+          SmemKMajor::desc(smem_a + size_t(rs.stage) * Tile::kABytes + token_offset * 128);
       read_row_scales(stage_b);
 #pragma unroll
       for (int b0 = 0; b0 < kBlocks; b0 += kBatch) {
@@ -487,8 +479,8 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
           const uint32_t k_step = uint32_t(b0 + bb) * MmaN::kDescPerK32;
 #pragma unroll
           for (int mh = 0; mh < kMmaM; ++mh)
-            MmaN::mma(tmp[bb][mh], desc(w_lo, (64 * mh * 128 >> 4) + k_step), desc(t_lo, k_step),
-                      0);
+            MmaN::mma(tmp[bb][mh], desc_add(desc_w, (64 * mh * 128 >> 4) + k_step),
+                      desc_add(desc_t, k_step), 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -757,8 +749,8 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
             for (int s = 0; s < 2; ++s) {
 #pragma unroll
               for (int mh = 0; mh < kMmaM; ++mh)
-                MmaN::mma(tmp[bb][mh], frag[bb][mh][s], desc_b_step(2 * (b0 + bb) + s) + chunk_rows,
-                          s);
+                MmaN::mma(tmp[bb][mh], frag[bb][mh][s],
+                          desc_add(desc_b_step(2 * (b0 + bb) + s), chunk_rows), s);
             }
           }
           wgmma_commit();
