@@ -417,7 +417,9 @@ inline bool mxfp8_widens_weights(const FusedMoeBf16Problem& problem) {
 // all three against two sittings' figures. Past kDecodeRowsPerExpert they lose to the 128-row
 // tiles, whose loops do not promote each block's sum (H100, T = 1024, benchmarks/RESULTS.md
 // twenty-ninth session): taken up to 64 rows an expert, Qwen3-30B-A3B 0.87x (0.95x with x's
-// tokens rebased); up to 128, OLMoE and orig 0.73x.
+// tokens rebased); up to 128, OLMoE and orig 0.73x. 64-row tiles with the widening loops (two CTAs
+// an SM) up to 64 rows: 0.92x, an expert past 64 rows converting its weights twice (thirty-sixth
+// session). Nor does the f16 loop beat the widening one on the 128-row tiles (0.94x at T = 1024).
 template <class Weights>
 int tile_block_m(const FusedMoeBf16Problem& pr, int block_n) {
   if constexpr (Weights::kRegisterA) {
