@@ -189,7 +189,9 @@ def test_block_m_64(flash_moe, seed, split, block_n):
 
 
 @pytest.mark.parametrize(("path", "T"), [("registers", 300), ("widened", 1000)])
-@pytest.mark.parametrize(("block_m", "block_n"), [(64, 128), (64, 64), (128, 64), (128, 128)])
+@pytest.mark.parametrize(
+    ("block_m", "block_n"), [(64, 128), (64, 64), (128, 64), (128, 96), (128, 128)]
+)
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
 def test_tiles_and_partial_last_n_tile(
     flash_moe, seed, monkeypatch, capfd, split, block_m, block_n, path, T
@@ -203,6 +205,21 @@ def test_tiles_and_partial_last_n_tile(
     monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
     check(flash_moe, inputs, split=split, block_m=block_m, block_n=block_n, warp_n=0, stages=0)
     expect_path(capfd, path)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("kind", ["uniform", "zipf"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
+def test_three_consumer_gate_up(flash_moe, seed, monkeypatch, capfd, split, kind):
+    """33 to 128 rows an expert with H a multiple of 384 (Qwen3-30B-A3B's 768 at T = 1024): the
+    gate/up tile of three consumer warpgroups (block_n = 96), whose 96-row weight tiles at n0 =
+    96 and 480 straddle two 128-row scale blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(512, 256, 768, 16, 2, kind, generator)
+    monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
+    check(flash_moe, inputs, split=split)
+    printed = capfd.readouterr().err
+    assert "block_n=96" in printed, printed
 
 
 @pytest.mark.parametrize(

@@ -223,8 +223,10 @@ struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
   static constexpr bool kF16GateUp = kDecodeTile;
   static constexpr bool kRowsReady = kDecodeTile;
   using GateUpTile = MoeGemmTileRS<kBlockM, kBlockN, 2, kF16GateUp>;
-  using DownTile = std::conditional_t<kE4m3Down, MoeGemmTileE4m3<kBlockM, 2 * kBlockN>,
-                                      MoeGemmTileRS<kBlockM, 2 * kBlockN, 1>>;
+  // block_n = 96 (three consumer warpgroups on the gate/up tile) keeps the 128-wide down tile.
+  static constexpr int kDownN = kBlockN == 96 ? 128 : 2 * kBlockN;
+  using DownTile = std::conditional_t<kE4m3Down, MoeGemmTileE4m3<kBlockM, kDownN>,
+                                      MoeGemmTileRS<kBlockM, kDownN, 1>>;
   static constexpr int kCtasPerSm = kDecodeTile ? 2 : 1;
   template <class Epilogue>
   using DownGemm = std::conditional_t<
@@ -274,7 +276,7 @@ using TileBlockNs = std::integer_sequence<int, 64, 96, 128>;
 static_assert(kBlockM == 128, "moe_align's default block_m is one of the instantiated tiles");
 template <class Weights>
 constexpr bool has_tile(int block_m, int block_n) {
-  return block_n != Bf16Weights::kGateUpPingPongN || (block_m == 128 && !Weights::kRegisterA);
+  return block_n != Bf16Weights::kGateUpPingPongN || block_m == 128;
 }
 
 template <class Weights, int kBlockM, int kBlockN, class F>
@@ -326,8 +328,10 @@ std::string list_values(std::integer_sequence<int, kValues...>) {
   return text;
 }
 
-inline constexpr int kConsumerWarpgroups = 2;  // both consumer schedules (tile.cuh) run two
-inline constexpr int kMinStages = 2;           // one stage would serialize copies and math
+// The warp_n this kernel takes and reports: its tiles run two consumer warpgroups (three on the
+// MXFP8 block_n = 96 gate/up tile, which takes warp_n = 2 as the others do).
+inline constexpr int kConsumerWarpgroups = 2;
+inline constexpr int kMinStages = 2;  // one stage would serialize copies and math
 // Past 8 stages (8 x 32 KB at block_n = 64) the ring already covers DRAM latency.
 inline constexpr int kMaxStages = 8;
 // Whether the routed experts (at most E, at most one a pair) hold `rows` rows each or fewer on
@@ -486,9 +490,15 @@ int tuned_block_n(const FusedMoeBf16Problem& problem) {
       problem, Weights::kRegisterA ? kRegisterANarrowRowsPerExpert : kDecodeRowsPerExpert);
   // The ping-pong gate/up tile (96) where blocks are full (kPingPongRowsPerExpert rows an
   // expert on average) and H fills its tiles.
-  const bool ping_pong = has_tile<Weights>(block_m, Bf16Weights::kGateUpPingPongN) &&
-                         pairs >= routed * kPingPongRowsPerExpert &&
-                         fills_ping_pong_tiles(problem.hidden_dim);
+  const bool ping_pong =
+      !Weights::kRegisterA && has_tile<Weights>(block_m, Bf16Weights::kGateUpPingPongN) &&
+      pairs >= routed * kPingPongRowsPerExpert && fills_ping_pong_tiles(problem.hidden_dim);
+  // Register-A tiles past decode sizes and up to kRegisterANarrowRowsPerExpert: three consumer
+  // warpgroups (block_n = 96) where H is whole 96-wide tiles.
+  const bool three_consumers = Weights::kRegisterA && block_m == 128 && narrow &&
+                               !mean_rows_per_expert_at_most(problem, kDecodeRowsPerExpert) &&
+                               problem.hidden_dim % 96 == 0;
+  if (three_consumers && problem.hidden_dim > 64) return 96;
   return (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || narrow) ? 64
          : ping_pong ? Bf16Weights::kGateUpPingPongN
                      : 128;
@@ -527,7 +537,8 @@ FusedMoeBf16Config resolve_config(const FusedMoeBf16Problem& problem,
   // (64, 4, 2) get the fast tile, not a 2-stage one.
   const bool original = spells_original_tile<Weights>(problem, requested);
   if (original || requested.block_n == 0) c.block_n = tuned_block_n<Weights>(problem);
-  // The consumers are always two warpgroups (tile.cuh); warp_n only chose the tile above.
+  // warp_n only chose the tile above and reads 2 back (the MXFP8 block_n = 96 gate/up tile runs
+  // three consumer warpgroups: describe_config prints the kernel's count).
   c.warp_n = kConsumerWarpgroups;
   // As deep as the shared memory allows (4 stages of 48 KB at 128 x 128): the ring hides
   // DRAM latency and the gather's cp.async round trips.
@@ -847,11 +858,13 @@ std::string describe_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Con
   const std::string bm = std::to_string(pr.block_m);
   const std::string bn = std::to_string(c.block_n);
   std::string down = "?", gate_up = "?";
+  int consumers = 0;
   with_forward_kernels<Weights>(tile_block_m<Weights>(pr, c.block_n), c.block_n, [&](auto kernels) {
     using K = decltype(kernels);
     const std::string n = std::to_string(K::GateUpTile::kBlockN);
     const std::string tm = std::to_string(K::GateUpTile::kBlockM);
     const std::string ctas = K::GateUp::kCtasPerSm > 1 ? ", 2 CTAs an SM" : "";
+    consumers = K::GateUp::Consumers::kWarpgroups;
     gate_up = tm + "x(" + n + "+" + n + ")" + (K::kGateUpPingPong ? " ping-pong" : " cooperative") +
               ctas + (c.cpc == 2 ? ", 2-CTA clusters sharing each weight tile" : "");
     down = tm + "x" + std::to_string(K::DownTile::kBlockN) +
@@ -862,7 +875,7 @@ std::string describe_config(const FusedMoeBf16Problem& pr, const FusedMoeBf16Con
   std::string text =
       std::string(Weights::kName) + " sm_90a: block_m=" + bm + " block_n=" + bn +
       " (gate/up tile " + gate_up + ", down tile " + down +
-      ") consumer warpgroups=" + std::to_string(c.warp_n) + " stages=" + std::to_string(c.stages) +
+      ") consumer warpgroups=" + std::to_string(consumers) + " stages=" + std::to_string(c.stages) +
       " bpc=" + std::to_string(c.bpc) + " cpc=" + std::to_string(c.cpc) +
       (c.split ? " split=true" : " split=false") + " sms=" + std::to_string(usable_sms(pr.device)) +
       " " + loaders + "; asked block_n=" + std::to_string(requested.block_n) +

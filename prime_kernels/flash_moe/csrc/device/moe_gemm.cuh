@@ -131,10 +131,14 @@ struct MoeGemm {
   static constexpr int kLaunchRegs = 65536 / (kThreads * kCtasPerSm) / 8 * 8;
   static constexpr int kLoaderRegs =
       ALoad::kProducerRegs > BLoad::kProducerRegs ? ALoad::kProducerRegs : BLoad::kProducerRegs;
-  static constexpr int kProducerRegs = kCtasPerSm > 1 ? (kLoaderRegs < 32 ? kLoaderRegs : 32)
+  // Three consumer warpgroups (of 152 registers) leave the producer 56, which the gather beside
+  // two scale blocks a weight tile takes (at 40 it spilled 16 bytes, ptxas).
+  static constexpr int kProducerRegs = Consumers::kWarpgroups > 2 ? 56
+                                       : kCtasPerSm > 1 ? (kLoaderRegs < 32 ? kLoaderRegs : 32)
                                        : kClusterM > 1 && kLoaderRegs < 40 ? 40
                                                                            : kLoaderRegs;
-  static constexpr int kConsumerRegs = ((kThreads / 128 * kLaunchRegs - kProducerRegs) / 2) / 8 * 8;
+  static constexpr int kConsumerRegs =
+      ((kThreads / 128 * kLaunchRegs - kProducerRegs) / Consumers::kWarpgroups) / 8 * 8;
   static constexpr uint32_t kFullArrivals = 1 + ALoad::kFullArrivals + BLoad::kFullArrivals;
   // Every consumer thread arrives; in a cluster one lane per consumer warp of each CTA
   // (StageRing::consumer_release_cluster).
@@ -144,8 +148,15 @@ struct MoeGemm {
 
   static_assert(Epilogue::kNumB == Tile::kNumB, "the epilogue reads the stage's weight tiles");
   static_assert(kCtasPerSm == 1 || kCtasPerSm == 2, "one or two CTAs an SM");
-  static_assert(kCtasPerSm == 2 || kConsumerRegs >= 224,
+  static_assert(
+      Tile::kEpilogueBytes % 1024 == 0,
+      "the stages after the epilogue's bytes keep the 128B swizzle's 1024-byte alignment");
+  static_assert(kCtasPerSm == 2 || Consumers::kWarpgroups > 2 || kConsumerRegs >= 224,
                 "the consumers keep their accumulators in registers");
+  static_assert(Consumers::kWarpgroups == 2 ||
+                    (kCtasPerSm == 1 && Consumers::kTokensAlongN && Consumers::kMmaM == 1 &&
+                     Consumers::Mma::kAccRegs <= 64 && kConsumerRegs >= 152),
+                "three consumer warpgroups leave each 152 registers: 64 out^T accumulators");
   static_assert(kCtasPerSm == 1 || (Consumers::kTokensAlongN && Consumers::kMmaM == 1 &&
                                     Consumers::Mma::kAccRegs <= 32 && kClusterM == 1),
                 "two CTAs an SM leave a consumer 104 registers: 32 out^T accumulators");
@@ -153,7 +164,8 @@ struct MoeGemm {
                     kConsumerRegs >= 232,
                 "past 128 accumulators a thread the consumers need 232 registers or more (a "
                 "producer of 40 at most; ptxas's report says whether the epilogue fits)");
-  static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * kLaunchRegs,
+  static_assert(kProducerRegs + Consumers::kWarpgroups * kConsumerRegs <=
+                    (1 + Consumers::kWarpgroups) * kLaunchRegs,
                 "setmaxnreg moves, never adds");
   static_assert(kProducerThreads >= 1 && kProducerThreads <= 128,
                 "the loaders run in the producer warpgroup, thread 0 included");
@@ -508,7 +520,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kCtasPerSm)
                                      w.num_k_blocks, n_tokens, 1 + consumer, pass_turn)
                      : 0u;
         Kernel::Epilogue::store_transposed(p, sched.npp, acc, nan_rows, w, row0, col0,
-                                           smem_epilogue + consumer * (Tile::kEpilogueBytes / 2),
+                                           smem_epilogue + consumer * Tile::kEpilogueWarpgroupBytes,
                                            1 + consumer, n_tokens);
         signal_rows();
       } else {

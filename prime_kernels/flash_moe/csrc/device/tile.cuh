@@ -151,7 +151,9 @@ struct MoeGemmTileRS {
   static constexpr int kTokenScaleBytes = kF16Tokens ? kBlockM * (kBlockK / 32) * 4 : 0;
   static constexpr int kABytes = (kTokenBytes + kTokenScaleBytes + 1023) / 1024 * 1024;
   static constexpr int kAAtomBytes = kBlockM * 128;
-  static constexpr int kScaleBlocks = kBlockN > 128 ? kBlockN / 128 : 1;  // per weight tile
+  // Per weight tile: a 96-row tile starts at n0 % 128 in {0, 32, 64, 96}, so its rows may lie in
+  // two 128-row scale blocks.
+  static constexpr int kScaleBlocks = kBlockN > 128 ? kBlockN / 128 : kBlockN == 96 ? 2 : 1;
   static constexpr int kWeightAtomK = 64;  // e4m3 weight bytes a row per TMA box (64B swizzle)
   static constexpr int kWeightAtoms = kBlockK / kWeightAtomK;
   static constexpr int kWeightAtomBytes = kNumB * kBlockN * kWeightAtomK;
@@ -159,10 +161,18 @@ struct MoeGemmTileRS {
   static constexpr int kScaleBytes = kNumB * kScaleBlocks * 512;
   static constexpr int kBBytes = (kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kEpilogueBytes = 1024;
+  // RegisterAConsumers' warpgroups: one interleaved m64 block (32 h) each on gate/up tiles up to
+  // 96 h wide, else two.
+  static constexpr int kConsumerWarpgroups = kNumB == 2 && kBlockN <= 96 ? kBlockN / 32 : 2;
+  // Whole 1024-byte blocks: the stages after it keep the 128B swizzle's alignment (three
+  // warpgroups' 1536 bytes shifted the token rows by 512 and garbled every product).
+  static constexpr int kEpilogueWarpgroupBytes = 512;
+  static constexpr int kEpilogueBytes =
+      (kEpilogueWarpgroupBytes * kConsumerWarpgroups + 1023) / 1024 * 1024;
 
   static_assert(kBlockM == 64 || kBlockM == 128, "a block's tokens are at most one wgmma N");
-  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "whole 64-row wgmma M");
+  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256 || (kBlockN == 96 && kNumB == 2),
+                "whole 64-row wgmma M");
   static_assert(kBlockN <= 128 || kBlockN % 128 == 0, "whole 128-row scale tiles");
   static_assert(kWeightAtomBytes % 1024 == 0, "each atom keeps the 64B swizzle's alignment");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
@@ -194,18 +204,18 @@ template <class Tile, class ALayout_, class BLayout_>
 struct RegisterAConsumers {
   using ALayout = ALayout_;  // the token rows (wgmma's B here)
   using BLayout = BLayout_;  // unused: the weights are read by hand
-  static constexpr int kWarpgroups = 2;
+  static constexpr int kWarpgroups = Tile::kConsumerWarpgroups;
   static constexpr bool kPingPong = false;
   static constexpr bool kRegisterA = true;
   static constexpr bool kE4m3 = false;
   static constexpr bool kTokensAlongN = true;  // the accumulators hold out^T
-  static constexpr int kWarpgroupsPerStage = 2;
-  static constexpr bool kInterleaved = Tile::kNumB == 2 && Tile::kBlockN == 64;
+  static constexpr int kWarpgroupsPerStage = kWarpgroups;
+  static constexpr bool kInterleaved = Tile::kNumB == 2 && Tile::kBlockN <= 96;
   static constexpr int kMmaPerTile = kInterleaved ? 1 : Tile::kBlockN / 128;
   static constexpr int kMmaM = kInterleaved ? 1 : Tile::kNumB * kMmaPerTile;
   static constexpr int kMmaN = Tile::kBlockM;
   static constexpr int kNumMma = 1;
-  static constexpr int kWgRows = Tile::kBlockN / 2;  // output columns per warpgroup
+  static constexpr int kWgRows = Tile::kBlockN / kWarpgroups;  // output columns per warpgroup
   using Mma = prime_kernels::WgmmaBf16RS<kMmaN, ALayout::kTrans>;
 
   static_assert(!ALayout::kTrans, "the token rows are K-major");
@@ -264,6 +274,7 @@ struct MoeGemmTileE4m3 {
   static constexpr int kBBytes = (kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpilogueBytes = 0;  // the down epilogues store from registers
+  static constexpr int kEpilogueWarpgroupBytes = 0;
   static constexpr bool kF16Tokens = false;
 
   static_assert(kBlockM == 64 || kBlockM == 128, "a block's tokens are at most one wgmma N");
