@@ -213,7 +213,7 @@ def test_tiles_and_partial_last_n_tile(
 def test_three_consumer_gate_up(flash_moe, seed, monkeypatch, capfd, split, kind):
     """33 to 128 rows an expert with H a multiple of 384 (Qwen3-30B-A3B's 768 at T = 1024): the
     gate/up tile of three consumer warpgroups (block_n = 96), whose 96-row weight tiles at n0 =
-    96 and 480 straddle two 128-row scale blocks."""
+    96, 192, 480 and 576 straddle two 128-row scale blocks."""
     generator = torch.Generator().manual_seed(seed)
     inputs = make_inputs(512, 256, 768, 16, 2, kind, generator)
     monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
@@ -494,7 +494,9 @@ def test_garbage_routing_never_goes_out_of_bounds(flash_moe, seed, T):
 
 
 @pytest.mark.parametrize("T", [300, 1200], ids=["registers", "widened"])
-@pytest.mark.parametrize("block_n", [64, 128], ids=["interleaved", "gate-up-blocks"])
+@pytest.mark.parametrize(
+    "block_n", [64, 96, 128], ids=["interleaved", "three-consumers", "gate-up-blocks"]
+)
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
 def test_weight_blocks_off_the_fast_path(flash_moe, seed, split, block_n, T):
     """The register widening's slow path inside the kernel (csrc/device/mxfp8_fragment.cuh):
@@ -502,7 +504,8 @@ def test_weight_blocks_off_the_fast_path(flash_moe, seed, split, block_n, T):
     subnormal e4m3 values so the products stay moderate); and e4m3 NaN bytes under finite
     scales, which the fast path widens to finite values and the epilogues turn into NaN rows
     (mxfp8.py dequantizes them to NaN: every token routed to that expert is NaN), in a gate/up
-    row of both gate/up tile layouts and in a down row. Against the exact-MX emulation of the
+    row of each gate/up tile layout (block_n = 96 at H = 128: a partial last tile, whose rows
+    past H are read and dropped) and in a down row. Against the exact-MX emulation of the
     same bytes; the NaN pattern must match exactly. At T = 1200 (300 rows an expert) the same
     bytes go through the widening pre-pass and the bf16 GEMMs."""
     generator = torch.Generator().manual_seed(seed)

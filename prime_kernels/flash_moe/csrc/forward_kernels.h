@@ -270,7 +270,8 @@ struct ForwardKernels<Weights, kBlockM, kBlockN, true> {
 // The (block_m, block_n) tiles this build instantiates: the only place their values are
 // written. block_m 64 and 128 are one and two wgmma M; block_n 64 and 128 keep the gate/up
 // accumulators (2 x block_n columns per consumer) within the register budget; block_n 96 is the
-// ping-pong gate/up tile (bf16 weights, block_m 128: has_tile).
+// ping-pong gate/up tile with bf16 weights and the three-consumer one with MXFP8 weights in
+// registers (block_m 128 only: has_tile).
 using TileBlockMs = std::integer_sequence<int, 64, 128>;
 using TileBlockNs = std::integer_sequence<int, 64, 96, 128>;
 static_assert(kBlockM == 128, "moe_align's default block_m is one of the instantiated tiles");
@@ -498,7 +499,7 @@ int tuned_block_n(const FusedMoeBf16Problem& problem) {
   const bool three_consumers = Weights::kRegisterA && block_m == 128 && narrow &&
                                !mean_rows_per_expert_at_most(problem, kDecodeRowsPerExpert) &&
                                problem.hidden_dim % 96 == 0;
-  if (three_consumers && problem.hidden_dim > 64) return 96;
+  if (three_consumers) return Bf16Weights::kGateUpPingPongN;
   return (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || narrow) ? 64
          : ping_pong ? Bf16Weights::kGateUpPingPongN
                      : 128;

@@ -196,9 +196,10 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
 
   // token_offset: the warpgroup's first token row (Consumers::m_offset); row_offset: its first
   // weight row of each tile (n_offset); scale_row0: the tile's first weight row modulo 128 (n0 %
-  // 128: 64 for the odd 64-row tiles, which sit in the upper half of a 128-row scale block).
-  // Rows past the tile's scale blocks cannot occur: a tile of kBlockN <= 128 rows starting at
-  // n0 % 128 in {0, 64} ends inside its 128-row block, a larger one starts at n0 % 128 = 0.
+  // 128: 64 for the odd 64-row tiles, which sit in the upper half of a 128-row scale block;
+  // 0, 96, 64 or 32 for the 96-row tiles). Rows past the tile's scale blocks cannot occur: a
+  // 64- or 128-row tile starting at n0 % 128 in {0, 64} ends inside its 128-row block, a 96-row
+  // one ends inside the second of its two (n0 % 128 + 96 <= 192), a larger one starts at 0.
   // Whether the tile cuts its wgmmas' N to its tokens: not the gate/up tile with two m64 blocks
   // of weight rows a warpgroup (block_n >= 128: 128 accumulators beside the SwiGLU's gate and
   // up fragments), where a K loop per N spilled 100 bytes (ptxas); its decode-sized

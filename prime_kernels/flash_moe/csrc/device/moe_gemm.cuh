@@ -6,7 +6,8 @@
 //   warpgroup 0      producer: the A and B tiles of each K step into the stage ring, by TMA
 //                    (thread 0) or cp.async gathers (the loaders, loaders.cuh); MXFP8 weights
 //                    as raw e4m3 and scales by TMA (mxfp8_loaders.cuh);
-//   warpgroups 1, 2  consumers: the MMA mainloop over the ring into fp32 registers, then
+//   warpgroups 1, 2  consumers (and 3 on the MXFP8 block_n = 96 gate/up tile): the MMA mainloop
+//   over the ring into fp32 registers, then
 //                    the epilogue from registers to global memory. With MXFP8 weights
 //                    (RegisterAConsumers, tile.cuh) they widen the weights in registers and
 //                    feed them as wgmma's register A operand, or (E4m3Consumers: MXFP8 h too)
@@ -120,9 +121,10 @@ struct MoeGemm {
   static constexpr int kProducerThreads =
       ALoad::kThreads > BLoad::kThreads ? ALoad::kThreads : BLoad::kThreads;
   // Register split (sm_90a setmaxnreg, multiples of 8). The CTA launches with kLaunchRegs a
-  // thread (__launch_bounds__(384, kCtasPerSm): 168 for one CTA an SM, 80 for two) and can only
-  // move those 384 x kLaunchRegs between its warpgroups: 128 * (producer + 2 * consumer) <= 384 *
-  // kLaunchRegs, or setmaxnreg.inc waits forever. The loaders say what the producer needs (24 for
+  // thread (__launch_bounds__(384, kCtasPerSm): 168 for one CTA an SM, 80 for two; 128 for 512
+  // threads with three consumers) and can only move those kThreads x kLaunchRegs between its
+  // warpgroups: 128 * (producer + consumers) <= kThreads * kLaunchRegs, or setmaxnreg.inc waits
+  // forever. The loaders say what the producer needs (24 for
   // one TMA thread, 40 for the gather; 40 in a cluster, whose producer also works out its share
   // of the boxes and the multicast masks), the consumers get the rest: 224 to 240 registers,
   // room for their 128 to 192 fp32 accumulators and the epilogue. Two CTAs an SM (register-A

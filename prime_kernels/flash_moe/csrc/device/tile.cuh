@@ -122,7 +122,8 @@ struct PingPongConsumers {
 // MoeGemmTile's A (bf16, K-major, 128-byte swizzle: kABytes) and, in its B buffer, the raw e4m3
 // weight tiles (kNumB tiles of kBlockN rows x 64 bytes, 64-byte swizzle, by TMA) followed by the
 // 512-byte blocks of the blocked scale layout that hold the step's four scale columns: per tile,
-// one per 128 rows (kBlockN <= 128: the one its rows lie in). Half the weight bytes of a bf16
+// one per 128 rows (a 64- or 128-row tile: the one its rows lie in; a 96-row tile: the two its
+// rows may span). Half the weight bytes of a bf16
 // stage, so deeper rings fit. kEpilogueBytes: the transposed MXFP8 epilogue's exchange of
 // per-32-row exponents between the two warps of a 32-row block (mxfp8_epilogues.cuh), 512
 // bytes a consumer warpgroup.
