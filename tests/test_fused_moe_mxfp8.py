@@ -210,12 +210,20 @@ def test_tiles_and_partial_last_n_tile(
 @pytest.mark.sanitize
 @pytest.mark.parametrize("kind", ["uniform", "zipf"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "fused"])
-def test_three_consumer_gate_up(flash_moe, seed, monkeypatch, capfd, split, kind):
-    """33 to 128 rows an expert with H a multiple of 384 (Qwen3-30B-A3B's 768 at T = 1024): the
-    gate/up tile of three consumer warpgroups (block_n = 96), whose 96-row weight tiles at n0 =
-    96, 192, 480 and 576 straddle two 128-row scale blocks."""
+@pytest.mark.parametrize(
+    ("T", "H", "E"),
+    [
+        (512, 768, 16),  # 64 rows an expert, H whole 96-row tiles (Qwen3-30B-A3B's 768)
+        (1024, 640, 8),  # 256 rows an expert, a last tile of 64 rows
+    ],
+)
+def test_three_consumer_gate_up(flash_moe, seed, monkeypatch, capfd, split, kind, T, H, E):
+    """33 to 256 rows an expert (past decode sizes, below the widening pre-pass): the gate/up
+    tile of three consumer warpgroups (block_n = 96), whose 96-row weight tiles at n0 % 128 in
+    {32, 64, 96} may straddle two 128-row scale blocks, and whose last tile is partial where H is
+    not a multiple of 96."""
     generator = torch.Generator().manual_seed(seed)
-    inputs = make_inputs(512, 256, 768, 16, 2, kind, generator)
+    inputs = make_inputs(T, 256, H, E, 2, kind, generator)
     monkeypatch.setenv("PRIME_MOE_PRINT_CONFIG", "1")
     check(flash_moe, inputs, split=split)
     printed = capfd.readouterr().err

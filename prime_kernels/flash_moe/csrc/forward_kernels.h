@@ -345,9 +345,10 @@ inline bool mean_rows_per_expert_at_most(const FusedMoeBf16Problem& problem, int
 // Mean rows per routed expert at or below which the forward takes decode-sized tiles
 // (resolve_config): a quarter of a 128-row block or less is real.
 inline constexpr int64_t kDecodeRowsPerExpert = 32;
-// The same for register-A (MXFP8) tiles, whose 64-wide gate/up tile and 128-row down tile widen
-// one m64 block a warpgroup in rounds of two k16 steps (mma.cuh), against the 128-wide tiles' two
-// m64 blocks of single steps, which gather each token block for twice the weight rows. With
+// The same for register-A (MXFP8) tiles of 64-row blocks (the 128-row ones past decode sizes
+// take three consumer warpgroups: tuned_block_n), whose 64-wide gate/up tile and 128-row down tile
+// widen one m64 block a warpgroup in rounds of two k16 steps (mma.cuh), against the 128-wide tiles'
+// two m64 blocks of single steps, which gather each token block for twice the weight rows. With
 // 128-wide K stages the 128-wide tiles win at 256 rows an expert (H200, T = 1024: DeepSeek-V3-32
 // 1.09x, Mixtral-8x7B 1.07x; benchmarks/RESULTS.md twentieth session); at 64 rows (Qwen3-30B-A3B
 // T = 1024) and at decode sizes the 64-wide tiles stay (as measured with 64-wide stages, 2.4-11%).
@@ -480,9 +481,9 @@ int tuned_block_n(const FusedMoeBf16Problem& problem) {
   // average: decode-sized T, where the blocks are mostly padding and the kernels stream
   // weights, and more, narrower tiles keep more of them in flight (H200, T = 64, all five
   // benchmark configs: 0.3-5% less time, Mixtral-8x7B 84% -> 88% of the copy rate; at T =
-  // 1024, 64 to 256 rows an expert, 64 costs up to 11%). Register-A (MXFP8) tiles take 64 up
-  // to kRegisterANarrowRowsPerExpert, which covers T = 1024 too. Real blocks are at most one
-  // partial block per routed expert plus T*k / block_m full ones.
+  // 1024, 64 to 256 rows an expert, 64 costs up to 11%). Register-A (MXFP8) tiles of 64-row
+  // blocks take 64 up to kRegisterANarrowRowsPerExpert. Real blocks are at most one partial
+  // block per routed expert plus T*k / block_m full ones.
   const int64_t pairs = problem.num_tokens * problem.top_k;
   const int64_t routed = std::min(problem.num_experts, pairs);
   const int64_t blocks = std::min(problem.max_padded / block_m, routed + pairs / block_m);
@@ -494,14 +495,18 @@ int tuned_block_n(const FusedMoeBf16Problem& problem) {
   const bool ping_pong =
       !Weights::kRegisterA && has_tile<Weights>(block_m, Bf16Weights::kGateUpPingPongN) &&
       pairs >= routed * kPingPongRowsPerExpert && fills_ping_pong_tiles(problem.hidden_dim);
-  // Register-A tiles past decode sizes and up to kRegisterANarrowRowsPerExpert: three consumer
-  // warpgroups (block_n = 96) where H is whole 96-wide tiles. The 64-wide tile's loop is bound by
-  // its latency with two consumer warps a scheduler; a third warpgroup hides more of it without
-  // widening any weight twice (H100, Qwen3-30B-A3B T = 1024: gate/up kernel 342.6 -> 289.6 us
-  // under ncu, the call 1.100x; T = 2048 1.077x).
-  const bool three_consumers = Weights::kRegisterA && block_m == 128 && narrow &&
-                               !mean_rows_per_expert_at_most(problem, kDecodeRowsPerExpert) &&
-                               problem.hidden_dim % 96 == 0;
+  // Register-A tiles of 128-row blocks past decode sizes (33 to kMxfp8WidenRowsPerExpert rows
+  // an expert): three consumer warpgroups (block_n = 96), whatever H (a partial last tile
+  // included). The two-warpgroup tiles' loops are bound by their latency; a third
+  // warpgroup hides more of it without widening any weight twice. H100, moe_align +
+  // fused_moe_mxfp8 (benchmarks/RESULTS.md thirty-eighth session): against the 64-wide tile at
+  // 64-128 rows an expert, Qwen3-30B-A3B T = 1024 1.100x (its gate/up kernel 342.6 -> 289.6 us
+  // under ncu), T = 2048 1.077x, OLMoE and orig T = 1024 1.065x, 1.087x, DeepSeek-V3-32 and
+  // Mixtral-8x7B T = 512 1.019x, 1.059x; against the 128-wide tile at 256 rows, Qwen3-30B-A3B
+  // T = 4096 1.038x, OLMoE and orig T = 2048 1.051x, 1.016x, Mixtral-8x7B T = 1024 1.028x,
+  // DeepSeek-V3-32 T = 1024 0.994x.
+  const bool three_consumers = Weights::kRegisterA && block_m == 128 &&
+                               !mean_rows_per_expert_at_most(problem, kDecodeRowsPerExpert);
   if (three_consumers) return Bf16Weights::kGateUpPingPongN;
   return (problem.hidden_dim <= 64 || tiles < usable_sms(problem.device) || narrow) ? 64
          : ping_pong ? Bf16Weights::kGateUpPingPongN
