@@ -37,14 +37,16 @@ class Config:
             k_dim,
             n0,
         )
-        self.scale_blocks = block_n // 128 if block_n > 128 else 1
+        # MoeGemmTileRS: a 96-row tile may straddle two 128-row scale blocks
+        self.scale_blocks = 2 if block_n == 96 else block_n // 128 if block_n > 128 else 1
         self.weight_atom_bytes = num_b * block_n * 64  # one 64-wide K atom's tiles
         self.weight_bytes = num_b * block_n * BLOCK_K
+        self.warpgroups = block_n // 32 if num_b == 2 and block_n <= 96 else 2
         # RegisterAConsumers
-        self.interleaved = num_b == 2 and block_n == 64
+        self.interleaved = num_b == 2 and block_n <= 96
         self.mma_per_tile = 1 if self.interleaved else block_n // 128
         self.mma_m = 1 if self.interleaved else num_b * self.mma_per_tile
-        self.wg_rows = block_n // 2
+        self.wg_rows = block_n // self.warpgroups
 
     def n_offset(self, c):
         return c * self.wg_rows
@@ -140,6 +142,8 @@ CONFIGS = [
     (128, 128, 2, 768, 384, 256, 256),  # gate/up 128 x (128 + 128): rows split
     (128, 64, 2, 768, 384, 256, 64),  # gate/up block_n 64 (interleaved): upper scale half
     (64, 64, 2, 768, 384, 256, 128),
+    (128, 96, 2, 768, 384, 256, 96),  # three warpgroups, interleaved: rows 96-191, two blocks
+    (128, 96, 2, 768, 384, 256, 288),  # rows 288-383: the upper three quarters of one block
     (128, 256, 1, 384, 0, 384, 256),  # down: the last n tile, half past D
     (64, 128, 1, 384, 0, 384, 128),
 ]
@@ -161,7 +165,7 @@ def test_fragments_address_their_weights_and_scales(params):
     expert = 1
     for kb in range(cfg.k_dim // BLOCK_K):
         smem = stage_bytes(cfg, weights, packed, expert, kb)
-        for c in range(2):
+        for c in range(cfg.warpgroups):
             frags = consumer_fragments(cfg, smem, c, kb)
             for (mh, kk, warp, lane), (a, s0, s1) in frags.items():
                 g, q = lane // 4, lane % 4

@@ -185,9 +185,10 @@ struct MoeGemmTileRS {
   }
 };
 
-// Cooperative consumers of a register-A tile (MoeGemmTileRS): both warpgroups read every stage
-// and finish a tile together, each converting its own weight rows once (the conversion, not the
-// MMA, is the scarce issue slots) for all the tile's tokens. Two row layouts:
+// Cooperative consumers of a register-A tile (MoeGemmTileRS): every consumer warpgroup (two, or
+// three: kConsumerWarpgroups) reads every stage and they finish a tile together, each converting
+// its own weight rows once (the conversion, not the MMA, is the scarce issue slots) for all the
+// tile's tokens. Two row layouts:
 //   split rows (weight tiles of 128 rows or more): each warpgroup takes half of every weight
 //     tile's rows, kBlockN / 128 m64 blocks per tile; for the gate/up GEMM (kNumB = 2) the
 //     gate rows h and up rows H + h of the same h sit in the same registers of its two m64
