@@ -1206,7 +1206,7 @@ def combine(args):
     training run does not fit one call of the 600 s a GPU machine allows a command): each
     shape's rows come from the last run that timed it in every mode, the runs' commands,
     dates and ceilings stay in the JSON's meta."""
-    docs = [json.loads(Path(path).read_text()) for path in args.combine.split(",")]
+    docs = [harness.read_json(path) for path in args.combine.split(",")]
     first = docs[0]["meta"]
     for doc in docs:
         meta = doc["meta"]

@@ -1018,6 +1018,26 @@ def write_json(path, obj):
     path.write_text(json_text(obj))
 
 
+_NON_FINITE = {str(v): v for v in (math.nan, math.inf, -math.inf)}
+
+
+def _relaxed(obj):
+    """The inverse of _strict: "nan", "inf" and "-inf" back to floats (a backward row's NaN
+    time, which a run that reads raw numbers back, --combine, formats as a number)."""
+    if isinstance(obj, str):
+        return _NON_FINITE.get(obj, obj)
+    if isinstance(obj, dict):
+        return {k: _relaxed(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_relaxed(v) for v in obj]
+    return obj
+
+
+def read_json(path):
+    """A JSON that write_json wrote, its non-finite numbers floats again."""
+    return _relaxed(json.loads(Path(path).read_text()))
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -1152,7 +1172,7 @@ def check_written(op, args, doc, original, scratch, merge_cli):
     problems = []
     if args.no_results:
         return problems
-    saved = json.loads(Path(args.results_json).read_text())
+    saved = read_json(args.results_json)
     if len(saved["rows"]) != len(doc["rows"]):
         problems.append("results JSON: row count")
     meta_keys = ("date", "gpu", "driver", "commit", "command", "torch", "triton", "python")

@@ -6,6 +6,7 @@ pipelines."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -118,3 +119,19 @@ def test_commit_label_names_a_foreign_build(tmp_path):
     finally:
         if env is not None:
             os.environ["PRIME_KERNELS_COMMIT"] = env
+
+
+def test_results_json_reads_back_non_finite_numbers(tmp_path):
+    """A training run's backward row whose fwd+bwd time is not above its training forward's
+    (noise on a tiny shape) keeps ms = NaN, which the JSON holds as a string; --combine reads
+    the raw numbers back and formats them, so read_json must give floats again."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import harness
+
+    path = tmp_path / "run.json"
+    rows = [{"mode": "bwd", "ms": float("nan")}, {"ms": float("inf"), "x": 1.5}]
+    harness.write_json(path, {"rows": rows})
+    assert '"nan"' in path.read_text()
+    back = harness.read_json(path)["rows"]
+    assert math.isnan(back[0]["ms"]) and back[1]["ms"] == float("inf") and back[1]["x"] == 1.5
+    assert harness.fmt_ms(back[0]["ms"]) == ""
