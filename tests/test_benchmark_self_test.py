@@ -126,7 +126,10 @@ def test_results_json_reads_back_non_finite_numbers(tmp_path):
     (noise on a tiny shape) keeps ms = NaN, which the JSON holds as a string; --combine reads
     the raw numbers back and formats them, so read_json must give floats again."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import harness
+    try:
+        import harness
+    finally:
+        sys.path.pop(0)
 
     path = tmp_path / "run.json"
     rows = [{"mode": "bwd", "ms": float("nan")}, {"ms": float("inf"), "x": 1.5}]

@@ -6,9 +6,9 @@
 //   warpgroup 0      producer: the A and B tiles of each K step into the stage ring, by TMA
 //                    (thread 0) or cp.async gathers (the loaders, loaders.cuh); MXFP8 weights
 //                    as raw e4m3 and scales by TMA (mxfp8_loaders.cuh);
-//   warpgroups 1, 2  consumers (and 3 on the MXFP8 block_n = 96 gate/up tile): the MMA mainloop
-//   over the ring into fp32 registers, then
-//                    the epilogue from registers to global memory. With MXFP8 weights
+//   warpgroups 1, 2  consumers (and 3 on the MXFP8 block_n = 96 gate/up tile): the MMA
+//                    mainloop over the ring into fp32 registers, then the epilogue from
+//                    registers to global memory. With MXFP8 weights
 //                    (RegisterAConsumers, tile.cuh) they widen the weights in registers and
 //                    feed them as wgmma's register A operand, or (E4m3Consumers: MXFP8 h too)
 //                    multiply both e4m3 operands by fp8 wgmma and scale each MX block's sum:
