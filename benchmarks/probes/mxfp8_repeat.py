@@ -46,7 +46,6 @@ def main():
 
     *dims, kind = args.shape.split(",")
     T, D, H, E, k = map(int, dims)
-    torch.manual_seed(args.seed)
     x, w, w2, ids, weights = make_inputs(
         T, D, H, E, k, kind, torch.Generator().manual_seed(args.seed)
     )
@@ -91,6 +90,7 @@ def main():
                 int((sorted_ids == pair).nonzero()[0]) if (sorted_ids == pair).any() else -1
                 for pair in pairs
             ]
+            huge = diff > 1000 * emulated.abs().max()
             line.update(
                 token=token,
                 column=column,
@@ -100,8 +100,8 @@ def main():
                 rows=rows,
                 blocks=[r // block_m if r >= 0 else -1 for r in rows],
                 block_experts=[int(align[1][r // block_m]) if r >= 0 else -1 for r in rows],
-                huge=int((diff > 1000 * emulated.abs().max()).sum()),
-                huge_tokens=int((diff > 1000 * emulated.abs().max()).any(dim=1).sum()),
+                huge=int(huge.sum()),
+                huge_tokens=int(huge.any(dim=1).sum()),
             )
             misses.append(line)
         print(json.dumps(line), flush=True)
