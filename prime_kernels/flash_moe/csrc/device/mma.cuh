@@ -32,6 +32,19 @@ struct WarpgroupMainloop {
     else
       ring.consumer_release_cluster<kClusterCtas>(stage);
   }
+  // The release of a stage the warpgroup also read through the generic proxy (ld.shared of
+  // register-A fragments, scales, token factors), which the producer's TMA rewrites through the
+  // async one: after a proxy fence, as the PTX ISA asks. The arrive alone does not wait for those
+  // loads to return: ptxas issues it ahead of the uses of the e4m3 and f16 loops' last scale and
+  // factor loads (SASS), and without the fence the refill overwrote some of them. At T = 1000,
+  // E = 256, k = 8, zipf routing, split=false (H100, benchmarks/probes/mxfp8_repeat.py --poison)
+  // 19 of 400 calls added wrong or NaN values into a tile's columns of out; with it, 0 of 400,
+  // and the decode call measured even (T = 64: 0.999x).
+  __device__ __forceinline__ static void release_read(const prime_kernels::StageRing& ring,
+                                                      int stage) {
+    prime_kernels::fence_proxy_async_shared();
+    release(ring, stage);
+  }
 
   // A tile this warpgroup has no work in (a 64-row half of padding, or a cluster's missing
   // tile) only passes its stages through, so the ring stays in step with the producer.
@@ -169,12 +182,8 @@ __device__ __forceinline__ uint64_t token_desc_step(uint64_t desc, int kk) {
 // step kk's are converted while step kk - 1's wgmmas run, into the buffer step kk - 2 used,
 // which wgmma_wait<1> after step kk - 1's issue retired; the next step's bytes are loaded
 // before that wait, so their latency hides behind it. A stage goes back to the producer once its
-// last step's group is retired (at the next slice's first wait). No proxy fence comes before that
-// release, though the bytes were read through the generic proxy and the producer's TMA rewrites
-// them through the async one: every read of the stage has returned by then (its value feeds an
-// instruction ahead of the arrive), and the TMA waits on that arrive, as in CUTLASS's sm90
-// mixed-input mainloop. The fence's MEMBAR.ALL.CTA was a stall of its own in every stage (ncu
-// stall samples of the decode loop, docs/flash_moe_mxfp8_design.md).
+// last step's group is retired (at the next slice's first wait), after a proxy fence
+// (WarpgroupMainloop::release_read).
 template <class Tile, class Consumers, bool kFenceGenericWrites>
 struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites> {
   using Base = WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites>;
@@ -321,7 +330,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
         wgmma_commit();
         if (round + 1 < kRounds) load_raw(round + 1);
         wgmma_wait<1>();
-        if (round == 0 && kb > 0) Base::release(ring, prev_stage);
+        if (round == 0 && kb > 0) Base::release_read(ring, prev_stage);
       }
       prev_stage = rs.stage;
       rs.advance(ring.stages);
@@ -330,7 +339,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
     wgmma_wait<0>();
 #pragma unroll
     for (int mh = 0; mh < kMmaM; ++mh) wgmma_fence_operands(acc[mh]);
-    Base::release(ring, prev_stage);
+    Base::release_read(ring, prev_stage);
     uint32_t nan_rows = 0;
 #pragma unroll
     for (int mh = 0; mh < kMmaM; ++mh) {
@@ -367,7 +376,7 @@ struct WarpgroupMainloopRS : WarpgroupMainloop<Tile, Consumers, kFenceGenericWri
 // promotion with the tensor core comes from the other consumer warps (two CTAs an SM at decode
 // sizes: four a scheduler), as in DeepGEMM's and CUTLASS's fp8 block-scaled mainloops. A stage
 // goes back to the producer once its last block is promoted (the promotion reads its scales),
-// without a proxy fence, as WarpgroupMainloopRS releases.
+// after a proxy fence (WarpgroupMainloop::release_read).
 template <class Tile, class Consumers, bool kFenceGenericWrites>
 struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites> {
   using Base = WarpgroupMainloop<Tile, Consumers, kFenceGenericWrites>;
@@ -492,7 +501,7 @@ struct WarpgroupMainloopE4m3 : WarpgroupMainloop<Tile, Consumers, kFenceGenericW
           promote(tmp[bb], stage_a, b0 + bb);
         }
       }
-      Base::release(ring, rs.stage);
+      Base::release_read(ring, rs.stage);
       rs.advance(ring.stages);
     }
     issued();
@@ -785,7 +794,7 @@ struct WarpgroupMainloopF16 : WarpgroupMainloop<Tile, Consumers, kFenceGenericWr
           }
         }
       }
-      Base::release(ring, rs.stage);  // no proxy fence, as WarpgroupMainloopRS releases
+      Base::release_read(ring, rs.stage);
       rs.advance(ring.stages);
     }
     issued();
