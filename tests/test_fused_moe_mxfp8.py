@@ -129,8 +129,8 @@ REPEAT_CALLS = 100
 def test_repeated_decode_calls(flash_moe):
     """One split=false decode call (64 x 64 tiles, h as MXFP8, the down GEMM's atomics) 100 times
     on NaN-filled free memory, every output checked against the exact-MX emulation: that race
-    made 19 of 400 calls wrong or NaN here (H100), so all 100 would miss it about once in 130
-    runs."""
+    made 19 of 400 calls wrong or NaN here (H100, benchmarks/probes/mxfp8_repeat.py), so if that
+    rate holds under pytest, all 100 would miss it about once in 130 runs."""
     T, D, H, E, k = 1000, 512, 256, 256, 8
     x, w, w2, ids, weights = make_inputs(
         T, D, H, E, k, "zipf", torch.Generator().manual_seed(REPEAT_SEED)

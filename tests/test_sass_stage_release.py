@@ -1,16 +1,21 @@
-"""The SASS of every kernel in the built extension: no mbarrier arrive (a ring stage's release)
-while a shared-memory load issued before it by the same thread may still be in flight, unless a
-MEMBAR (a proxy fence's) comes between them. The arrive waits on no scoreboard, so the producer's
-TMA refill of the stage can land before such a load reads it: releases without the fence
-(ad3a29b) made 19 of 400 decode calls at one shape wrong or NaN (benchmarks/RESULTS.md, fortieth
-session), and no CPU test saw it. Reads the SASS with the cuobjdump that triton ships; needs the
-built extension, not a GPU.
+"""The SASS of every kernel in the built extension: no mbarrier arrive (a ring stage's release
+among them) while a shared-memory load issued before it by the same thread may still be in
+flight, unless a MEMBAR (a proxy fence's) comes between them. The arrive waits on no scoreboard,
+so the producer's TMA refill of a stage can land before such a load reads it: releases without
+the fence (ad3a29b) made 19 of 400 decode calls at one shape wrong or NaN (benchmarks/RESULTS.md,
+fortieth session), and no CPU test saw it. Reads the SASS with the cuobjdump that triton ships;
+needs the built extension, not a GPU.
 
 An instruction's second 64-bit word holds its control bits from bit 41 on: the stall count (4
 bits), the yield bit, the scoreboard it sets when its result lands (3 bits, 7: none), the one it
-sets when its operands are read (3 bits) and the scoreboards it waits on (6 bits). A shared load
-(LDS, LDSM) is in flight from its issue until an instruction waits on its scoreboard. The scan is
-linear per function; control flow is not followed."""
+sets when its operands are read (3 bits) and the scoreboards it waits on (6 bits). Shared loads
+(LDS, LDSM) complete in order, so ptxas gives some none and covers them by a later one's: a load
+is in flight from its issue until an instruction waits on its own scoreboard or on that of a
+shared load issued after it. The scan is conservative and simple: linear per function (control
+flow not followed), any MEMBAR drains every load, and it cannot tell stages apart, so an arrive
+that releases another stage than the one being read also counts (the register-A loop releases
+the previous stage while loading the current one: a proxy fence before it keeps the scan, and
+the PTX ISA, satisfied)."""
 
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]+) \*/")
 CONTROL_WORD = re.compile(r"^\s*/\* (0x[0-9a-f]+) \*/\s*$")
 FUNCTION = re.compile(r"Function : (\S+)")
-SHARED_LOAD = re.compile(r"^(@!?U?P\w+\s+)?LDS")  # LDS, LDS.64, LDSM.16.M88.4, ...
+# LDS, LDS.64, LDSM.16.M88.4, ..., unless predicated off for good (@!PT: padding)
+SHARED_LOAD = re.compile(r"^(?!@!PT\b)(@!?U?P\w+\s+)?LDS")
 NO_SCOREBOARD = 7
 
 
@@ -47,12 +53,13 @@ def releases_in_flight(sass: str) -> list[tuple[str, int, list[int]]]:
     every SYNCS.ARRIVE that a shared load issued before it in the same function may overtake."""
     found = []
     function = None
-    in_flight: dict[int, int] = {}  # scoreboard -> address of the load that set it
+    in_flight: dict[int, list[int]] = {}  # scoreboard -> addresses of the loads it covers
+    uncovered: list[int] = []  # loads with no scoreboard and none set after them yet
     lines = sass.splitlines()
     for i, line in enumerate(lines):
         name = FUNCTION.search(line)
         if name:
-            function, in_flight = name.group(1), {}
+            function, in_flight, uncovered = name.group(1), {}, []
             continue
         instruction = INSTRUCTION.search(line)
         if not instruction or function is None or i + 1 >= len(lines):
@@ -66,11 +73,18 @@ def releases_in_flight(sass: str) -> list[tuple[str, int, list[int]]]:
         for scoreboard in [s for s in in_flight if waits >> s & 1]:
             del in_flight[scoreboard]
         if "MEMBAR" in text:
-            in_flight.clear()
-        if "SYNCS.ARRIVE" in text and in_flight:
-            found.append((function, address, sorted(in_flight.values())))
-        if SHARED_LOAD.match(text) and write_scoreboard != NO_SCOREBOARD:
-            in_flight[write_scoreboard] = address
+            in_flight, uncovered = {}, []
+        if "SYNCS.ARRIVE" in text and (in_flight or uncovered):
+            loads = [a for covered in in_flight.values() for a in covered] + uncovered
+            found.append((function, address, sorted(loads)))
+        if SHARED_LOAD.match(text):
+            if write_scoreboard == NO_SCOREBOARD:
+                uncovered.append(address)
+            else:
+                in_flight[write_scoreboard] = (
+                    in_flight.get(write_scoreboard, []) + uncovered + [address]
+                )
+                uncovered = []
     return found
 
 
@@ -95,6 +109,12 @@ def test_scan_flags_an_arrive_ahead_of_a_load():
     assert releases_in_flight(snippet(load, arrive, use)) == [("kernel", 0x10, [0x0])]
     assert releases_in_flight(snippet(load, use, arrive)) == []
     assert releases_in_flight(snippet(load, fence, arrive, use)) == []
+    # A load without a scoreboard is covered by the next one's (shared loads land in order).
+    bare = ("LDS.64 R14, [R65+0x23c0]", control())
+    assert releases_in_flight(snippet(bare, arrive)) == [("kernel", 0x10, [0x0])]
+    assert releases_in_flight(snippet(bare, load, arrive, use)) == [("kernel", 0x20, [0x0, 0x10])]
+    assert releases_in_flight(snippet(bare, load, use, arrive)) == []
+    assert releases_in_flight(snippet(("@!PT LDS RZ, [RZ]", control()), arrive)) == []
 
 
 def test_no_stage_release_overtakes_a_shared_load():
