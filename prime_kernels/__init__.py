@@ -63,16 +63,19 @@ def _built_arch(name: str) -> tuple[str, ...]:
     return tuple(recorded.get("arch") or spec(name).arch)
 
 
+def _extension_file(name: str) -> Path | None:
+    """The kernel's compiled extension in this install, or None (not built, or python-only)."""
+    folder = Path(__file__).with_name(name)
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if (folder / f"_C{suffix}").is_file():
+            return folder / f"_C{suffix}"
+    return None
+
+
 def is_built(name: str) -> bool:
     """True when the kernel's compiled extension is in this install (python-only: always).
     Looks for the file: importing it (and torch) is for :func:`unavailable_reason`."""
-    kernel = spec(name)
-    if kernel.python_only:
-        return True
-    folder = Path(__file__).with_name(name)
-    return any(
-        (folder / f"_C{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES
-    )
+    return spec(name).python_only or _extension_file(name) is not None
 
 
 def _missing_requirement(kernel: KernelSpec) -> str | None:

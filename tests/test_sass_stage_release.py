@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]+) \*/")
 CONTROL_WORD = re.compile(r"^\s*/\* (0x[0-9a-f]+) \*/\s*$")
 FUNCTION = re.compile(r"Function : (\S+)")
@@ -41,11 +40,6 @@ def cuobjdump() -> Path | None:
         return None
     path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     return path if path.exists() else None
-
-
-def extension() -> Path | None:
-    built = sorted((REPO / "prime_kernels" / "flash_moe").glob("_C*.so"))
-    return built[0] if built else None
 
 
 def releases_in_flight(sass: str) -> list[tuple[str, int, list[int]]]:
@@ -118,7 +112,9 @@ def test_scan_flags_an_arrive_ahead_of_a_load():
 
 
 def test_no_stage_release_overtakes_a_shared_load():
-    tool, built = cuobjdump(), extension()
+    from prime_kernels import _extension_file
+
+    tool, built = cuobjdump(), _extension_file("flash_moe")
     if tool is None or built is None:
         pytest.skip("needs the built extension and triton's cuobjdump")
     sass = subprocess.run(
